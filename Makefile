@@ -1,0 +1,37 @@
+# Every target sets itself up: a fresh clone needs only python3 (3.11+) and make.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch 2.13.0 is installed first, so no dependency pulls a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+export OMP_WAIT_POLICY ?= PASSIVE
+
+.PHONY: demo test test-slow lint format clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(STAMP)  ## build the demo model and run recipes/demo.yaml end to end
+	$(BIN)/workbench run recipes/demo.yaml
+
+test: $(STAMP)  ## the default test suite (CPU, minutes)
+	$(BIN)/pytest
+
+test-slow: $(STAMP)  ## the slow tests (builds the full demo model)
+	$(BIN)/pytest -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf runs .pytest_cache

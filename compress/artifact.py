@@ -1,0 +1,113 @@
+"""Artifacts: directories a step writes, each with a `workbench.json` manifest.
+
+Contract: an artifact directory either does not exist or is complete. Writers build it under a
+hidden temporary sibling (`.NAME.tmp-PID`) and rename it into place only when done; readers (the
+pipeline, the server) trust any directory whose manifest exists. This module is also the metadata
+format the server reads, so it imports neither the pipeline nor the steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from safetensors import safe_open
+
+MANIFEST = "workbench.json"
+ArtifactKind = Literal["model", "adapter"]
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A model directory (HF `save_pretrained` layout) or a PEFT adapter directory."""
+
+    path: Path
+    kind: ArtifactKind = "model"
+    info: dict[str, Any] = field(default_factory=dict)
+    """What the step that made it wants recorded in the manifest (training stats, ...)."""
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def _tmp_prefix(final: Path) -> str:
+    return f".{final.name}.tmp-"
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield an empty temporary dir; on success it replaces `final`, on error it is removed."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f"{_tmp_prefix(final)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale_tmp(parent: Path) -> list[Path]:
+    """Delete leftovers of interrupted writers below `parent`; the caller must hold the lock."""
+    if not parent.is_dir():
+        return []
+    stale = [
+        p
+        for p in parent.iterdir()
+        if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name)
+    ]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def count_parameters(path: Path) -> int:
+    """Number of stored tensor elements in the dir's safetensors files (no weights loaded)."""
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+def link_or_copy_tree(src: Path, dst: Path, skip: tuple[str, ...] = (MANIFEST,)) -> None:
+    """Mirror `src` into the existing dir `dst`, hard-linking files where the filesystem allows."""
+    for item in sorted(src.rglob("*")):
+        rel = item.relative_to(src)
+        if rel.parts[0] in skip or rel.parts[0].startswith("."):
+            continue
+        target = dst / rel
+        if item.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(item, target)
+        except OSError:
+            shutil.copy2(item, target)

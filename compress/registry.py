@@ -1,0 +1,52 @@
+"""The step registry: recipe step names to step classes.
+
+Contract: a step is a class with a pydantic `Params` model (extra keys forbidden) and one method,
+`apply(artifact, ctx) -> Artifact`, which reads the input artifact and writes its output into
+`ctx.out_dir` (an empty temporary dir that the pipeline renames into place when `apply` returns).
+A step never writes anywhere else and keeps no state between calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from compress.artifact import Artifact
+
+
+class StepParams(BaseModel):
+    """Base of every step's params: what a recipe may write under the step's name."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class StepContext:
+    out_dir: Path
+    """Empty dir to write the output artifact into."""
+    seed: int = 0
+    device: str = "cpu"
+
+
+class Step:
+    name: ClassVar[str]
+    Params: ClassVar[type[StepParams]] = StepParams
+
+    def __init__(self, params: StepParams) -> None:
+        self.params = params
+
+    def apply(self, artifact: Artifact, ctx: StepContext) -> Artifact:
+        raise NotImplementedError
+
+
+STEPS: dict[str, type[Step]] = {}
+
+
+def register(cls: type[Step]) -> type[Step]:
+    if cls.name in STEPS:
+        raise ValueError(f"step {cls.name!r} is registered twice")
+    STEPS[cls.name] = cls
+    return cls

@@ -1,0 +1,1 @@
+"""Quality (lm-eval) and load evaluation, reports and the dashboard."""

@@ -1,0 +1,1 @@
+"""The paged-KV continuous-batching engine and its OpenAI-compatible server."""

@@ -1,0 +1,144 @@
+"""The pipeline: manifests, reuse of unchanged variants, rebuilds, and interrupted runs."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from compress.artifact import MANIFEST, dir_bytes
+from workbench.cli import main
+from workbench.pipeline import Pipeline
+from workbench.recipe import load_recipe
+
+RECIPE = """\
+name: tiny
+base: demo-tiny
+variants:
+  - {name: base, steps: []}
+  - {name: twice, steps: [{identity: {}}, {identity: {}}]}
+"""
+
+
+def _run(tmp_path: Path, text: str = RECIPE, force: bool = False) -> dict[str, str]:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    recipe, base = load_recipe(path)
+    results = Pipeline(recipe, base, tmp_path / "work", force=force).run()
+    return {r.name: r.status for r in results}
+
+
+def _manifest(tmp_path: Path, name: str) -> dict:
+    return json.loads((tmp_path / "work" / "variants" / name / MANIFEST).read_text())
+
+
+def test_manifest_records_what_was_built(tmp_path: Path, tiny_model_dir: Path) -> None:
+    assert _run(tmp_path) == {"base": "built", "twice": "built"}
+    variant_dir = tmp_path / "work" / "variants" / "base"
+    m = _manifest(tmp_path, "base")
+    weights = load_file(variant_dir / "model.safetensors")
+    assert m["parameters"] == sum(t.numel() for t in weights.values())
+    assert m["bytes_on_disk"] == dir_bytes(variant_dir) - (variant_dir / MANIFEST).stat().st_size
+    assert m["kind"] == "model" and m["variant"] == "base"
+    assert m["recipe"]["name"] == "tiny" and len(m["recipe"]["hash"]) == 16
+    assert m["base"] == {"kind": "demo", "name": "demo-tiny"}
+    assert [s["name"] for s in m["steps"]] == ["identity"] and m["hash"] == m["steps"][-1]["hash"]
+    assert m["parent"]["path"] == str(tiny_model_dir)
+    assert m["packages"]["torch"] == importlib.metadata.version("torch")
+    assert m["wall_seconds"] >= 0 and m["peak_memory_bytes"] > 50_000_000
+    # a two-step variant's parent is the first step's artifact, shared by hash
+    twice = _manifest(tmp_path, "twice")
+    first = tmp_path / "work" / "artifacts" / twice["steps"][0]["hash"]
+    assert twice["parent"] == {"path": str(first), "hash": twice["steps"][0]["hash"]}
+    assert json.loads((first / MANIFEST).read_text())["hash"] == twice["steps"][0]["hash"]
+
+
+def test_variant_loads_as_a_transformers_model(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    _run(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "work" / "variants" / "twice")
+    assert model.config.model_type == "llama"
+
+
+def test_rerun_reuses_and_changes_rebuild(tmp_path: Path) -> None:
+    _run(tmp_path)
+    created = _manifest(tmp_path, "base")["created"]
+    assert _run(tmp_path) == {"base": "reused", "twice": "reused"}
+    changed = RECIPE.replace("{identity: {}}, {identity: {}}", "{identity: {}}")
+    assert _run(tmp_path, changed) == {"base": "reused", "twice": "built"}
+    assert len(_manifest(tmp_path, "twice")["steps"]) == 1
+    assert _run(tmp_path, "seed: 7\n" + changed) == {"base": "built", "twice": "built"}
+    assert _run(tmp_path, "seed: 7\n" + changed, force=True) == {"base": "built", "twice": "built"}
+    assert _manifest(tmp_path, "base")["created"] >= created
+
+
+def test_cli_run_says_what_it_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.yaml").write_text(RECIPE)
+    assert main(["run", "r.yaml", "--variant", "base"]) == 0
+    out = capsys.readouterr().out
+    assert "built 1 variant(s) ['base']" in out
+    assert (tmp_path / "runs" / "tiny" / "variants" / "base" / MANIFEST).is_file()
+    assert not (tmp_path / "runs" / "tiny" / "variants" / "twice").exists()
+
+
+# The child runs the real pipeline with the identity step slowed down after it has written part of
+# its output, so the test can kill it mid-write.
+_SLOW_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from compress.identity import Identity
+    original = Identity.apply
+    def slow_apply(self, artifact, ctx):
+        made = original(self, artifact, ctx)
+        Path(sys.argv[2]).write_text(str(ctx.out_dir))
+        time.sleep(600)
+        return made
+    Identity.apply = slow_apply
+    from workbench.cli import main
+    sys.exit(main(["run", sys.argv[1], "--work-dir", sys.argv[3]]))
+    """
+)
+
+
+def test_killed_run_leaves_no_half_written_variant(tmp_path: Path, tiny_model_dir: Path) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE)
+    marker, work = tmp_path / "writing", tmp_path / "work"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CHILD, str(recipe), str(marker), str(work)], env=os.environ
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the child never reached the step"
+        partial = Path(marker.read_text())
+        assert (partial / "model.safetensors").exists()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert partial.exists() and partial.parent == work / "variants"
+    assert not (work / "variants" / "base").exists()
+    assert _run(tmp_path) == {"base": "built", "twice": "built"}
+    assert not partial.exists()
+    leftovers = [
+        p.name
+        for d in ("variants", "artifacts")
+        for p in (work / d).iterdir()
+        if p.name.startswith(".")
+    ]
+    assert leftovers == []

@@ -1,0 +1,162 @@
+"""Recipe validation: every bad recipe is refused with a line naming file, field, found, allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from workbench.cli import main
+from workbench.recipe import RecipeError, load_recipe
+
+GOOD = """\
+name: ok
+base: demo-tiny
+variants:
+  - {name: base, steps: []}
+  - {name: copy, steps: [{identity: {}}]}
+evals:
+  quality: [demo_ppl]
+  load: {concurrency: [1, 4], prompt_len: [64], max_tokens: 8}
+"""
+
+# (recipe text, the field path the error names, words the message must contain)
+BAD = {
+    "unknown top-level key": (
+        "name: x\nbase: demo-tiny\ncolour: red\nvariants: [{name: a}]\n",
+        "colour",
+        ["unknown key 'colour'", "allowed keys: name, base, seed, variants, evals, report"],
+    ),
+    "missing base": ("name: x\nvariants: [{name: a}]\n", "base", ["missing required key 'base'"]),
+    "variants not a list": (
+        "name: x\nbase: demo-tiny\nvariants: {name: a}\n",
+        "variants",
+        ["found {'name': 'a'}", "valid list"],
+    ),
+    "no variants": ("name: x\nbase: demo-tiny\nvariants: []\n", "variants", ["at least 1 item"]),
+    "unknown step": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{quantise: {}}]}]\n",
+        "variants[0].steps[0]",
+        ["unknown step 'quantise'", "allowed steps: identity"],
+    ),
+    "step with two keys": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{identity: {}, other: {}}]}]\n",
+        "variants[0].steps[0]",
+        ["exactly one key", "identity"],
+    ),
+    "unknown step param": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{identity: {bits: 4}}]}]\n",
+        "variants[0].steps[0].identity.bits",
+        ["unknown key 'bits'", "allowed keys: (none)"],
+    ),
+    "duplicate variant names": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a}, {name: b}, {name: a}]\n",
+        "variants",
+        ["duplicate variant name 'a'", "variants[0] and variants[2]"],
+    ),
+    "bad variant name": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: 'has space'}]\n",
+        "variants[0].name",
+        ["found 'has space'", "pattern"],
+    ),
+    "negative size": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {load: {max_tokens: -5}}\n",
+        "evals.load.max_tokens",
+        ["found -5", "greater than 0"],
+    ),
+    "zero concurrency": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {load: {concurrency: [1, 0]}}\n",
+        "evals.load.concurrency[1]",
+        ["found 0", "greater than 0"],
+    ),
+    "wrong type": (
+        "name: x\nbase: demo-tiny\nseed: lots\nvariants: [{name: a}]\n",
+        "seed",
+        ["found 'lots'", "valid integer"],
+    ),
+    "base path missing": (
+        "name: x\nbase: ./models/none-here\nvariants: [{name: a}]\n",
+        "base",
+        ["found './models/none-here'", "no such directory", "demo, demo-tiny"],
+    ),
+    "not a mapping": ("- just\n- a list\n", "", ["found list", "a recipe is a mapping"]),
+    "not yaml": ("name: [unclosed\n", "", ["not valid YAML", "line"]),
+}
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_good_recipe_parses(tmp_path: Path) -> None:
+    recipe, base = load_recipe(_write(tmp_path, GOOD))
+    assert (recipe.name, base.kind, base.name) == ("ok", "demo", "demo-tiny")
+    assert [v.name for v in recipe.variants] == ["base", "copy"]
+    assert [n for n, _ in recipe.variants[0].step_calls()] == ["identity"]
+    assert recipe.evals.load is not None and recipe.evals.load.concurrency == [1, 4]
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_recipe_names_file_field_found_and_allowed(case: str, tmp_path: Path) -> None:
+    text, field, words = BAD[case]
+    path = _write(tmp_path, text)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    lines = str(info.value).splitlines()
+    matching = [ln for ln in lines if ln.startswith(f"{path}: {field}")]
+    assert matching, f"no line names {field!r}: {lines}"
+    for word in words:
+        assert any(word in ln for ln in matching), f"{word!r} missing from {matching}"
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    text = "name: x\nbase: demo-tiny\nextra: 1\nvariants: [{name: a, steps: [{nope: {}}]}]\n"
+    with pytest.raises(RecipeError) as info:
+        load_recipe(_write(tmp_path, text))
+    assert len(info.value.problems) == 2
+
+
+def test_local_base_dir_relative_to_recipe(tmp_path: Path, tiny_model_dir: Path) -> None:
+    (tmp_path / "m").symlink_to(tiny_model_dir)
+    _, base = load_recipe(_write(tmp_path, "name: x\nbase: m\nvariants: [{name: a}]\n"))
+    assert base.kind == "local" and Path(base.name) == tiny_model_dir.resolve()
+
+
+def test_local_base_dir_without_config_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RecipeError, match=r"no config\.json"):
+        load_recipe(_write(tmp_path, "name: x\nbase: empty\nvariants: [{name: a}]\n"))
+
+
+def test_hub_id_is_accepted_without_network(tmp_path: Path) -> None:
+    _, base = load_recipe(
+        _write(tmp_path, "name: x\nbase: Qwen/Qwen2.5-0.5B\nvariants: [{name: a}]\n")
+    )
+    assert (base.kind, base.name) == ("hub", "Qwen/Qwen2.5-0.5B")
+
+
+def test_cli_exits_2_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = _write(tmp_path, BAD["unknown step"][0])
+    assert main(["validate", str(path)]) == 2
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown step 'quantise'" in err and str(path) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+def test_cli_rejects_unknown_variant_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(_write(tmp_path, GOOD)), "--variant", "nope"]) == 2
+    assert not (tmp_path / "runs").exists()
+
+
+def test_shipped_recipes_validate() -> None:
+    recipes = sorted(Path(__file__).parents[2].joinpath("recipes").glob("*.yaml"))
+    assert recipes
+    for path in recipes:
+        load_recipe(path)

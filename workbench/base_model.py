@@ -1,0 +1,87 @@
+"""What a recipe's `base` names, and how it becomes the first artifact of every variant.
+
+`demo` / `demo-tiny` are the built-in offline models; an existing directory (absolute, or relative
+to the recipe file, or to the working dir) is a local HF model; `org/name` is a hub id, fetched
+through the HF cache (offline use needs it cached, and `HF_HUB_OFFLINE=1` then avoids the network).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from compress.artifact import Artifact
+from workbench.demo.cache import demo_model_dir, ensure_demo_model, spec_hash
+from workbench.demo.train import SPECS
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class BaseRef:
+    kind: Literal["demo", "local", "hub"]
+    name: str
+    """Demo spec name, resolved absolute path, or hub id."""
+
+
+def resolve_base(value: str, recipe_dir: Path) -> BaseRef:
+    """Classify `value`; raise ValueError (naming what is allowed) when it names nothing."""
+    if value in SPECS:
+        return BaseRef("demo", value)
+    candidate = Path(value).expanduser()
+    for root in [recipe_dir, Path.cwd()]:
+        path = (root / candidate).resolve()  # an absolute candidate ignores root
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ValueError(
+                    f"found directory {str(path)!r} with no config.json; a local base must be "
+                    "a Hugging Face model dir (written by save_pretrained)"
+                )
+            return BaseRef("local", str(path))
+    if _HUB_ID.match(value) and not value.startswith((".", "/", "~")):
+        return BaseRef("hub", value)
+    allowed = ", ".join(SPECS)
+    raise ValueError(
+        f"found {value!r}: no such directory (looked relative to {recipe_dir} and the working "
+        f"dir); allowed: {allowed}, an existing local model dir, or a hub id 'org/name'"
+    )
+
+
+def base_fingerprint(ref: BaseRef) -> str:
+    """Identifies the base's content: a changed base invalidates every variant built on it."""
+    if ref.kind == "demo":
+        payload = f"demo:{ref.name}:{spec_hash(SPECS[ref.name])}"
+    elif ref.kind == "hub":
+        payload = f"hub:{ref.name}:{Path(_hub_snapshot(ref.name)).name}"
+    else:
+        root = Path(ref.name)
+        files = sorted(
+            (p.relative_to(root).as_posix(), p.stat().st_size)
+            for p in root.rglob("*")
+            if p.is_file()
+        )
+        payload = json.dumps([(root / "config.json").read_text(), files])
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _hub_snapshot(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+    return snapshot_download(repo_id, allow_patterns=patterns)
+
+
+def base_artifact(ref: BaseRef) -> Artifact:
+    """The base as an artifact dir, building the demo model or fetching the hub snapshot."""
+    if ref.kind == "demo":
+        return Artifact(ensure_demo_model(ref.name))
+    if ref.kind == "hub":
+        return Artifact(Path(_hub_snapshot(ref.name)))
+    return Artifact(Path(ref.name))
+
+
+__all__ = ["BaseRef", "base_artifact", "base_fingerprint", "demo_model_dir", "resolve_base"]

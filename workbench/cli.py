@@ -1,0 +1,132 @@
+"""The `workbench` command line: validate and run recipes, build the demo model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from workbench.pipeline import Pipeline, VariantResult
+from workbench.recipe import RecipeError, load_recipe
+
+console = Console(stderr=True)
+out = Console()
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    recipe, base = load_recipe(args.recipe)
+    out.print(
+        f"{args.recipe}: ok: recipe {recipe.name!r}, base {base.name!r} ({base.kind}), "
+        f"{len(recipe.variants)} variant(s): {', '.join(v.name for v in recipe.variants)}"
+    )
+    return 0
+
+
+def _variants_table(results: list[VariantResult]) -> Table:
+    table = Table(title="variants")
+    for col in ("variant", "status", "kind", "parameters", "on disk", "wall", "peak RSS"):
+        table.add_column(
+            col, justify="right" if col in ("parameters", "on disk", "wall", "peak RSS") else "left"
+        )
+    for r in results:
+        m = r.manifest
+        table.add_row(
+            r.name, r.status, m.get("kind", "?"), f"{m.get('parameters', 0):,}",
+            _size(m.get("bytes_on_disk", 0)), f"{m.get('wall_seconds', 0):.1f} s",
+            _size(m.get("peak_memory_bytes", 0)),
+        )  # fmt: skip
+    return table
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    recipe, base = load_recipe(args.recipe)
+    unknown = sorted(set(args.variant or []) - {v.name for v in recipe.variants})
+    if unknown:
+        allowed = ", ".join(v.name for v in recipe.variants)
+        raise RecipeError(
+            Path(args.recipe),
+            [f"--variant {', '.join(unknown)}: not in the recipe; allowed: {allowed}"],
+        )
+    work_dir = Path(args.work_dir or Path("runs") / recipe.name)
+    console.print(
+        f"recipe [bold]{recipe.name}[/]: base {base.name} ({base.kind}), work dir {work_dir}"
+    )
+
+    def show(r: VariantResult) -> None:
+        console.print(
+            f"  {'built ' if r.status == 'built' else 'reused'} [bold]{r.name}[/] -> {r.path}"
+        )
+
+    results = Pipeline(recipe, base, work_dir, force=args.force).run(args.variant, on_result=show)
+    out.print(_variants_table(results))
+    built = [r.name for r in results if r.status == "built"]
+    reused = [r.name for r in results if r.status == "reused"]
+    out.print(
+        f"built {len(built)} variant(s) {built}, reused {len(reused)} {reused}; "
+        f"manifests in {work_dir / 'variants'}/*/workbench.json"
+    )
+    if recipe.evals.quality or recipe.evals.load:
+        out.print(
+            "note: this version builds variants only; "
+            "the recipe's evals and report are not run yet."
+        )
+    return 0
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from workbench.demo import build_info, ensure_demo_model
+
+    path = ensure_demo_model(args.name, console)
+    info = build_info(path)
+    out.print(f"{args.name}: {path}")
+    for key in ("parameters", "train_tokens", "build_seconds", "validation_perplexity",
+                "unigram_validation_perplexity", "shifted_validation_perplexity"):  # fmt: skip
+        value = info[key]
+        out.print(
+            f"  {key:32s} {value:,.2f}" if isinstance(value, float) else f"  {key:32s} {value:,}"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("validate", help="check a recipe file and report every problem")
+    p.add_argument("recipe", help="path of the recipe YAML")
+    p.set_defaults(func=cmd_validate)
+    p = sub.add_parser("run", help="build every variant of a recipe (reusing unchanged ones)")
+    p.add_argument("recipe", help="path of the recipe YAML")
+    p.add_argument("--work-dir", help="where variants are written (default: runs/<recipe name>)")
+    p.add_argument("--force", action="store_true", help="rebuild variants even when unchanged")
+    p.add_argument(
+        "--variant", action="append", metavar="NAME", help="only this variant (repeatable)"
+    )
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("demo-model", help="build (first use) and describe the offline demo model")
+    p.add_argument("--name", default="demo", choices=["demo", "demo-tiny"], help="which spec")
+    p.set_defaults(func=cmd_demo_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

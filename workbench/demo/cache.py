@@ -1,0 +1,59 @@
+"""Where demo models live: built on first use into the user cache dir, then loaded like any HF dir.
+
+The cache dir is `$WORKBENCH_CACHE_DIR` when set, else the platform's user cache dir. An entry is
+named by the spec's hash, so a changed spec builds a new model instead of reusing a stale one.
+Builds take a lock (concurrent callers wait and reuse) and are renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from platformdirs import user_cache_dir
+from rich.console import Console
+
+from compress.artifact import atomic_dir, remove_stale_tmp
+from workbench.demo.train import BUILD_INFO, SPECS, DemoSpec, build
+from workbench.locking import file_lock
+
+CACHE_ENV = "WORKBENCH_CACHE_DIR"
+# NOTE: bump when the corpus, tokenizer or training code changes what a spec builds.
+BUILD_VERSION = 1
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or user_cache_dir("workbench"))
+
+
+def spec_hash(spec: DemoSpec) -> str:
+    payload = json.dumps([BUILD_VERSION, dataclasses.asdict(spec)], sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def demo_model_dir(name: str) -> Path:
+    return cache_dir() / "models" / f"{name}-{spec_hash(SPECS[name])}"
+
+
+def ensure_demo_model(name: str = "demo", console: Console | None = None) -> Path:
+    """The built model dir for a named spec, building it first when it is missing."""
+    final = demo_model_dir(name)
+    if (final / BUILD_INFO).exists():
+        return final
+    with file_lock(final.parent / f"{final.name}.lock"):
+        if (final / BUILD_INFO).exists():
+            return final
+        remove_stale_tmp(final.parent)
+        (console or Console(stderr=True)).print(
+            f"building the offline demo model [bold]{name}[/] into {final} (first use only)"
+        )
+        with atomic_dir(final) as tmp:
+            build(SPECS[name], tmp)
+    return final
+
+
+def build_info(model_dir: Path) -> dict[str, object]:
+    return json.loads((model_dir / BUILD_INFO).read_text())

@@ -1,0 +1,148 @@
+"""Run a recipe: for each variant, apply its steps in order and keep every artifact on disk.
+
+Model: a step's output is named by a hash chain, `h_i = sha(h_{i-1}, step name, params, seed)`,
+starting from the base's fingerprint. A variant's final artifact lives in `variants/<name>/`; the
+outputs of earlier steps live in `artifacts/<h_i>/`, shared by variants with a common prefix.
+An artifact whose manifest records the expected hash is reused; any other is rebuilt. Every
+artifact is written to a temporary dir and renamed into place when complete, under a lock on the
+work dir, so an interrupted run leaves only temporary dirs, which the next run deletes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from compress import STEPS, Artifact, StepContext, StepParams
+from compress.artifact import (
+    atomic_dir,
+    count_parameters,
+    dir_bytes,
+    read_manifest,
+    remove_stale_tmp,
+    write_manifest,
+)
+from workbench.base_model import BaseRef, base_artifact, base_fingerprint
+from workbench.locking import file_lock
+from workbench.measure import PeakMemory, package_versions
+from workbench.recipe import Recipe, Variant
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    name: str
+    path: Path
+    status: Literal["built", "reused"]
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _StepCall:
+    name: str
+    params: StepParams
+    hash: str
+
+
+def _sha(*parts: str) -> str:
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:16]
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    return _sha(json.dumps(recipe.model_dump(mode="json"), sort_keys=True))
+
+
+def _chain(variant: Variant, base_hash: str, seed: int) -> list[_StepCall]:
+    calls, parent = [], base_hash
+    for name, params in variant.step_calls():
+        parent = _sha(parent, name, params.model_dump_json(), str(seed))
+        calls.append(_StepCall(name, params, parent))
+    return calls
+
+
+class Pipeline:
+    """One recipe run in one work dir; `run()` returns what it built and what it reused."""
+
+    def __init__(self, recipe: Recipe, base: BaseRef, work_dir: Path, force: bool = False) -> None:
+        self.recipe, self.base, self.work_dir, self.force = recipe, base, work_dir, force
+        self.recipe_hash = recipe_hash(recipe)
+
+    def run(
+        self,
+        only: list[str] | None = None,
+        on_result: Callable[[VariantResult], None] | None = None,
+    ) -> list[VariantResult]:
+        variants = [v for v in self.recipe.variants if only is None or v.name in only]
+        results = []
+        with file_lock(self.work_dir / ".lock"):
+            remove_stale_tmp(self.work_dir / "variants")
+            remove_stale_tmp(self.work_dir / "artifacts")
+            base = base_artifact(self.base)
+            base_hash = base_fingerprint(self.base)
+            for variant in variants:
+                results.append(self._run_variant(variant, base, base_hash))
+                if on_result:
+                    on_result(results[-1])
+        return results
+
+    def _run_variant(self, variant: Variant, base: Artifact, base_hash: str) -> VariantResult:
+        calls = _chain(variant, base_hash, self.recipe.seed)
+        final = self.work_dir / "variants" / variant.name
+        if not self.force and _has_hash(final, calls[-1].hash):
+            return VariantResult(variant.name, final, "reused", read_manifest(final) or {})
+        artifact, parent = base, {"path": str(base.path), "hash": base_hash}
+        for i, call in enumerate(calls):
+            out = final if i == len(calls) - 1 else self.work_dir / "artifacts" / call.hash
+            if out != final and not self.force and _has_hash(out, call.hash):
+                artifact = Artifact(out, read_manifest(out)["kind"])  # type: ignore[index]
+            else:
+                artifact = self._apply(variant, calls[: i + 1], artifact, parent, out)
+            parent = {"path": str(out), "hash": call.hash}
+        return VariantResult(variant.name, final, "built", read_manifest(final) or {})
+
+    def _apply(
+        self,
+        variant: Variant,
+        calls: list[_StepCall],
+        artifact: Artifact,
+        parent: dict[str, str],
+        out: Path,
+    ) -> Artifact:
+        call = calls[-1]
+        step = STEPS[call.name](call.params)
+        with atomic_dir(out) as tmp:
+            started = time.perf_counter()
+            with PeakMemory() as peak:
+                made = step.apply(artifact, StepContext(out_dir=tmp, seed=self.recipe.seed))
+            manifest = {
+                "variant": variant.name,
+                "kind": made.kind,
+                "hash": call.hash,
+                "recipe": {"name": self.recipe.name, "hash": self.recipe_hash},
+                "base": {"kind": self.base.kind, "name": self.base.name},
+                "steps": [
+                    {"name": c.name, "params": c.params.model_dump(mode="json"), "hash": c.hash}
+                    for c in calls
+                ],
+                "parent": parent,
+                "parameters": count_parameters(tmp),
+                "bytes_on_disk": dir_bytes(tmp),
+                "wall_seconds": round(time.perf_counter() - started, 3),
+                "peak_memory_bytes": peak.bytes,
+                "peak_cuda_memory_bytes": peak.cuda_bytes,
+                "packages": package_versions(),
+                "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "info": made.info,
+            }
+            write_manifest(tmp, manifest)
+        return Artifact(out, made.kind, made.info)
+
+
+def _has_hash(path: Path, expected: str) -> bool:
+    manifest = read_manifest(path)
+    return manifest is not None and manifest.get("hash") == expected

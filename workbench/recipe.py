@@ -1,0 +1,150 @@
+"""The recipe schema: one base model, several variants (each a flat list of steps), evals, report.
+
+Every model forbids unknown keys. A step is a mapping with exactly one key, the step's registered
+name, whose value holds that step's params (validated by the step's own `Params` model).
+`load_recipe` turns any problem into a `RecipeError` whose lines each name the file, the field
+path, what was found and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Union
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PositiveInt,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+)
+
+from compress import STEPS, StepParams
+from workbench.base_model import BaseRef, resolve_base
+from workbench.recipe_errors import RecipeError, format_validation_error
+
+Slug = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _step_name(value: Any) -> str | None:
+    if isinstance(value, dict) and len(value) == 1:
+        return next(iter(value))
+    if isinstance(value, BaseModel):
+        return next(iter(type(value).model_fields))
+    return None
+
+
+def _step_union() -> Any:
+    """Tagged union of one single-key model per registered step: {name: Params}."""
+    members = [
+        Annotated[
+            create_model(f"{name}_step", __base__=_Strict, **{name: (cls.Params, ...)}), Tag(name)
+        ]
+        for name, cls in STEPS.items()
+    ]
+    return Annotated[
+        Union[tuple(members)],  # noqa: UP007 (a runtime-built union)
+        Discriminator(_step_name, custom_error_type="step_shape", custom_error_message="bad step"),
+    ]
+
+
+StepSpec = _step_union()
+
+
+class LoadEval(_Strict):
+    concurrency: list[PositiveInt] = Field(default=[1, 4, 16, 64], min_length=1)
+    """Concurrent clients to ramp through."""
+    prompt_len: list[PositiveInt] = Field(default=[64, 256, 1024], min_length=1)
+    """Prompt lengths in tokens."""
+    max_tokens: PositiveInt = 64
+    """Output tokens per request."""
+
+
+class Evals(_Strict):
+    quality: list[Slug] = []
+    """lm-eval task names from `evals/tasks/`."""
+    load: LoadEval | None = None
+    """Load benchmark settings; no load benchmark when absent."""
+
+
+class ReportSettings(_Strict):
+    title: str | None = None
+    output_dir: str | None = None
+    """Where the report goes; `reports/<recipe name>` when absent."""
+
+
+class Variant(_Strict):
+    name: Slug
+    steps: list[StepSpec] = []  # type: ignore[valid-type]
+
+    def step_calls(self) -> list[tuple[str, StepParams]]:
+        """(step name, params) in order; `steps: []` is the identity step."""
+        calls = [(_step_name(s), getattr(s, _step_name(s))) for s in self.steps]
+        return calls or [("identity", STEPS["identity"].Params())]  # type: ignore[list-item]
+
+
+class Recipe(_Strict):
+    name: Slug
+    base: str
+    """`demo`, `demo-tiny`, a local HF model dir (relative to the recipe file) or a hub id."""
+    seed: int = 0
+    variants: list[Variant] = Field(min_length=1)
+    evals: Evals = Evals()
+    report: ReportSettings = ReportSettings()
+
+    @field_validator("base")
+    @classmethod
+    def _base_exists(cls, value: str, info: ValidationInfo) -> str:
+        resolve_base(value, (info.context or {}).get("recipe_dir", Path.cwd()))
+        return value
+
+    @field_validator("variants")
+    @classmethod
+    def _unique_names(cls, variants: list[Variant]) -> list[Variant]:
+        seen: dict[str, int] = {}
+        for i, v in enumerate(variants):
+            if v.name in seen:
+                raise ValueError(
+                    f"duplicate variant name {v.name!r} (variants[{seen[v.name]}] and "
+                    f"variants[{i}]); each variant needs its own name"
+                )
+            seen[v.name] = i
+        return variants
+
+
+def load_recipe(path: Path | str) -> tuple[Recipe, BaseRef]:
+    """Parse and validate a recipe file; raise `RecipeError` naming every problem."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise RecipeError(
+            path, ["no such file; pass the path of a recipe YAML, e.g. recipes/demo.yaml"]
+        ) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError(path, [f"not valid YAML{where}: {problem}"]) from None
+    if not isinstance(data, dict):
+        keys = ", ".join(Recipe.model_fields)
+        raise RecipeError(
+            path,
+            [f"found {type(data).__name__}; a recipe is a mapping with keys {keys}"],
+        )
+    context = {"recipe_dir": path.parent}
+    try:
+        recipe = Recipe.model_validate(data, context=context)
+    except ValidationError as e:
+        raise RecipeError(path, format_validation_error(e, Recipe)) from None
+    return recipe, resolve_base(recipe.base, path.parent)
