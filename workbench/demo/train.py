@@ -55,8 +55,8 @@ SPECS: dict[str, DemoSpec] = {
         intermediate_size=384,
         seq_len=128,
         batch_size=32,
-        steps=360,
-        lr=3e-3,
+        steps=540,
+        lr=4e-3,
     ),
     "demo-tiny": DemoSpec(
         vocab_size=512,

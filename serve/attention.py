@@ -1,0 +1,142 @@
+"""Paged attention plugged into transformers' attention interface.
+
+Model: the runner calls the HF model on one flattened (ragged) row of every scheduled token, and
+passes `paged=AttentionMetadata` through the forward kwargs. transformers calls `paged_attention`
+in every attention layer with that row's queries, keys and values (RoPE applied). It writes the
+new keys and values into their cache slots (`slot_mapping`), then attends each sequence's queries
+over that sequence's blocks (`block_tables`, `seq_lens`), causally within the step's chunk.
+
+Two backends implement `attend`: `SDPABackend` gathers each sequence's blocks and runs
+`scaled_dot_product_attention` (all decoding sequences in one batched call), on any device;
+`ReferenceBackend` is a plain per-sequence loop, kept as the readable definition to test against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "workbench_paged"
+
+
+@dataclass(frozen=True)
+class SequenceSlice:
+    """One sequence of the step: its queries are rows [start, end) of the flat batch."""
+
+    start: int
+    end: int
+    seq_len: int
+    """Tokens in context once this step's are written (positions 0 .. seq_len - 1)."""
+    block_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per layer: K and V, each [num_blocks, block_size, kv_heads, head_dim]."""
+    slot_mapping: torch.Tensor
+    """[T]: flat cache slot (block_id * block_size + offset) of each new token."""
+    prefills: list[SequenceSlice]
+    """Sequences computing more than one token this step."""
+    decode_rows: torch.Tensor
+    """[S_d]: flat row of each sequence computing exactly one token."""
+    decode_block_tables: torch.Tensor
+    """[S_d, max_blocks]: their blocks, padded with block 0."""
+    decode_mask: torch.Tensor
+    """[S_d, 1, 1, max_blocks * block_size]: True where a gathered slot is in context."""
+    backend: AttentionBackend
+
+
+class AttentionBackend(Protocol):
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """q: [T, heads, head_dim] -> [T, heads, head_dim], after the step's K/V are written."""
+        ...
+
+
+def _causal_mask(n: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """[n, seq_len]: query i (position seq_len - n + i) sees keys at positions <= its own."""
+    q_pos = torch.arange(seq_len - n, seq_len, device=device)[:, None]
+    return torch.arange(seq_len, device=device)[None, :] <= q_pos
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    return cache[block_ids].flatten(0, 1)[:seq_len]
+
+
+class SDPABackend:
+    def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+        out = torch.empty_like(q)
+        if len(meta.decode_rows):
+            k = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+            v = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+            qd = q[meta.decode_rows].unsqueeze(2)
+            o = F.scaled_dot_product_attention(
+                qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+            )
+            out[meta.decode_rows] = o.squeeze(2)
+        for s in meta.prefills:
+            k = _gather(k_cache, s.block_ids, s.seq_len).transpose(0, 1)
+            v = _gather(v_cache, s.block_ids, s.seq_len).transpose(0, 1)
+            qp = q[s.start : s.end].transpose(0, 1)
+            n = s.end - s.start
+            mask = None if n == s.seq_len else _causal_mask(n, s.seq_len, q.device)
+            o = F.scaled_dot_product_attention(
+                qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
+            out[s.start : s.end] = o.transpose(0, 1)
+        return out
+
+
+class ReferenceBackend:
+    def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+        out = torch.empty_like(q)
+        decodes = [
+            SequenceSlice(int(r), int(r) + 1, int(m.sum()), bt)
+            for r, m, bt in zip(meta.decode_rows, meta.decode_mask, meta.decode_block_tables)
+        ]
+        group = q.shape[1] // k_cache.shape[2]
+        for s in [*meta.prefills, *decodes]:
+            k = _gather(k_cache, s.block_ids, s.seq_len).repeat_interleave(group, dim=1)
+            v = _gather(v_cache, s.block_ids, s.seq_len).repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[s.start : s.end].float(), k.float()) * scale
+            mask = _causal_mask(s.end - s.start, s.seq_len, q.device)
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            out[s.start : s.end] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+        return out
+
+
+BACKENDS: dict[str, type[SDPABackend] | type[ReferenceBackend]] = {
+    "sdpa": SDPABackend,
+    "reference": ReferenceBackend,
+}
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: [1, H, T, D] in, [1, T, H, D] out."""
+    meta: AttentionMetadata = kwargs["paged"]
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    scale = scaling if scaling is not None else head_dim**-0.5
+    out = meta.backend.attend(query[0].transpose(0, 1), k_cache, v_cache, meta, scale)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -1,0 +1,55 @@
+"""Engine configuration: small frozen dataclasses, one per component, each field documented."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step; longer prompts are prefilled in chunks."""
+    max_model_len: int = 2048
+    """Most tokens (prompt + output) of one request."""
+    enable_prefix_caching: bool = True
+    """Share the KV blocks of common prompt prefixes between requests."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_bytes: int | None = None
+    """KV memory budget in bytes; None: `kv_cache_memory_fraction` of free memory on CUDA,
+    256 MiB on the CPU."""
+    kv_cache_memory_fraction: float = 0.5
+    """Fraction of free GPU memory for KV when `kv_cache_bytes` is None (CUDA only)."""
+    num_blocks: int | None = None
+    """Exact number of blocks; overrides the byte budget (tests use it)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    """A local HF model dir or a hub id."""
+    dtype: str = "auto"
+    """float32, bfloat16 or float16; auto: bfloat16 on CUDA, float32 on the CPU."""
+    device: str = "auto"
+    """cpu, cuda or cuda:N; auto: cuda when available."""
+    attention_backend: str = "auto"
+    """`sdpa` (gathered blocks, any device) or `reference` (plain per-sequence loop)."""

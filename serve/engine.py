@@ -1,0 +1,217 @@
+"""The engine: one step = schedule, execute, sample, update.
+
+Model: `add_request` validates and queues a request; each `step()` asks the scheduler what to
+compute, the runner computes it, the sampler picks the next token of every request whose chunk
+reached its end, and the scheduler applies the tokens (stop on eos, stop ids, max_tokens,
+max_model_len). Stop strings are checked here, on the detokenized output. `step` returns one
+`RequestOutput` per request that produced a token or finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.kv_cache_manager import cdiv
+from serve.model_runner import ModelRunner, load_model, resolve_device, resolve_dtype
+from serve.request import FinishReason, Request
+from serve.sampler import SampleInput, Sampler
+from serve.sampling_params import SamplingParams
+from serve.scheduler import Scheduler, SchedulerOutput
+from serve.stats import EngineStats
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class _Clock:
+    """Adds the time since the previous lap to `totals[name]`."""
+
+    def __init__(self, totals: dict[str, float]) -> None:
+        self.totals, self.last = totals, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.totals[name] += now - self.last
+        self.last = now
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses at `add_request`; the message names the limit."""
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: ModelConfig,
+        cache: CacheConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        seed: int = 0,
+        loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None,
+    ) -> None:
+        device = resolve_device(model.device)
+        dtype = resolve_dtype(model.dtype, device)
+        self.model_config = model
+        self.cache_config = cache = cache or CacheConfig()
+        self.scheduler_config = scheduler = scheduler or SchedulerConfig()
+        hf_model, self.tokenizer = loaded or (
+            load_model(model, device, dtype),
+            AutoTokenizer.from_pretrained(model.model),
+        )
+        backend = "sdpa" if model.attention_backend == "auto" else model.attention_backend
+        self.runner = ModelRunner(hf_model, cache, device, backend)
+        self.scheduler = Scheduler(scheduler, self.runner.num_blocks, cache.block_size)
+        self.sampler = Sampler(seed)
+        self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+        self._arrivals = itertools.count()
+        self._texts: dict[str, str] = {}
+        self.timings: dict[str, float] = defaultdict(float)
+        self.num_steps = 0
+        self.last_step_tokens = 0
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter_id: int | None = None,
+    ) -> Request:
+        token_ids = self.tokenize(prompt)
+        self._validate(request_id, token_ids, params)
+        request = Request(
+            request_id, token_ids, params, eos_token_id=self.tokenizer.eos_token_id,
+            adapter_id=adapter_id, arrival_index=next(self._arrivals),
+        )  # fmt: skip
+        self.scheduler.add_request(request)
+        self._texts[request_id] = ""
+        return request
+
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        limit = self.scheduler_config.max_model_len
+        capacity = self.runner.num_blocks * self.cache_config.block_size
+        if request_id in self.scheduler.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty; give at least one token")
+        if bad := [t for t in token_ids if not 0 <= t < self.vocab_size]:
+            raise InvalidRequest(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        total = len(token_ids) + params.max_tokens
+        if total > limit:
+            raise InvalidRequest(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds max_model_len ({limit}); shorten the prompt or lower max_tokens"
+            )
+        if cdiv(total, self.cache_config.block_size) > self.runner.num_blocks:
+            raise InvalidRequest(
+                f"prompt + max_tokens = {total} tokens exceeds the KV cache ({capacity} tokens); "
+                "give the engine more KV memory or lower max_tokens"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """End a request wherever it is; its blocks are free when this returns."""
+        self._texts.pop(request_id, None)
+        return self.scheduler.finish(request_id, FinishReason.ABORT) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        clock = _Clock(self.timings)
+        out = self.scheduler.schedule()
+        clock.lap("schedule")
+        input_ids, positions, meta = self.runner.prepare(out)
+        clock.lap("prepare")
+        logits = self.runner.forward(out, input_ids, positions, meta)
+        clock.lap("model")
+        tokens = self._sample(out, logits)
+        clock.lap("sample")
+        requests = {c.request_id: self.scheduler.requests[c.request_id] for c in out.chunks}
+        finished = self.scheduler.update(out, tokens)
+        outputs = self._outputs(requests, tokens, finished)
+        clock.lap("update")
+        self.num_steps += 1
+        self.last_step_tokens = out.num_tokens
+        return outputs
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[str, int]:
+        """Sample for every chunk that reached its request's end (logits rows, in order)."""
+        chunks = [c for c in out.chunks if c.sample]
+        rows = [i for i, c in enumerate(chunks) if self._wants_token(c.request_id)]
+        if not rows:
+            return {}
+        requests = [self.scheduler.requests[chunks[i].request_id] for i in rows]
+        inputs = [SampleInput(r.sampling_params, r.generator) for r in requests]
+        tokens = {}
+        for request, s in zip(requests, self.sampler.sample(logits[rows], inputs)):
+            tokens[request.request_id] = s.token_id
+            if s.logprobs is not None:
+                request.logprobs.append(s.logprobs)
+        return tokens
+
+    def _wants_token(self, request_id: str) -> bool:
+        return self.scheduler.requests[request_id].sampling_params.max_tokens > 0
+
+    def _outputs(
+        self, requests: dict[str, Request], tokens: dict[str, int], finished: list[Request]
+    ) -> list[RequestOutput]:
+        done = {r.request_id for r in finished}
+        outputs = []
+        for request_id, request in requests.items():
+            if request_id not in tokens and request_id not in done:
+                continue
+            text = self._detokenize(request)
+            if (
+                not request.is_finished
+                and (stop_at := self._stop_position(text, request)) is not None
+            ):
+                text = text[:stop_at]
+                self.scheduler.finish(request_id, FinishReason.STOP)
+            outputs.append(self._output(request, text))
+        return outputs
+
+    def _detokenize(self, request: Request) -> str:
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        self._texts[request.request_id] = text
+        return text
+
+    @staticmethod
+    def _stop_position(text: str, request: Request) -> int | None:
+        hits = [i for s in request.sampling_params.stop if (i := text.find(s)) >= 0]
+        return min(hits) if hits else None
+
+    def _output(self, request: Request, text: str) -> RequestOutput:
+        if request.is_finished:
+            self._texts.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            logprobs=list(request.logprobs),
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats.snapshot(self)

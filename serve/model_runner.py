@@ -1,0 +1,169 @@
+"""The model runner: owns the model and the KV tensors, turns a `SchedulerOutput` into logits.
+
+Model: all scheduled tokens of a step form one flat row (`input_ids`, `positions`); the paged
+attention function finds each sequence's rows, slots and blocks in the `AttentionMetadata` built
+here once per step. Logits are computed only at the rows that sample (each sampling chunk's last
+token), through the model's own head (`logits_to_keep`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from serve.attention import ATTENTION_NAME, BACKENDS, AttentionMetadata, SequenceSlice
+from serve.config import CacheConfig, ModelConfig
+from serve.scheduler import SchedulerOutput
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_BYTES = 256 << 20
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv heads x head dim x dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+def kv_layout(model: PreTrainedModel, dtype: torch.dtype) -> KVLayout:
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return KVLayout(config.num_hidden_layers, kv_heads, head_dim, dtype)
+
+
+def _check_supported(model: PreTrainedModel) -> None:
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    if window and "sliding_attention" in layer_types:
+        raise ValueError(
+            f"{type(model).__name__} uses sliding-window attention (window {window}), which "
+            "this engine does not implement; load a model without it"
+        )
+
+
+def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    path = Path(config.model)
+    source = str(path) if path.exists() else config.model
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=dtype, attn_implementation=ATTENTION_NAME
+    )
+    _check_supported(model)
+    return model.to(device).eval()
+
+
+class ModelRunner:
+    def __init__(
+        self, model: PreTrainedModel, cache: CacheConfig, device: torch.device, backend: str
+    ) -> None:
+        self.model, self.device, self.block_size = model, device, cache.block_size
+        self.layout = kv_layout(model, next(model.parameters()).dtype)
+        self.backend = BACKENDS[backend]()
+        self.num_blocks = self._num_blocks(cache)
+        shape = (self.num_blocks, cache.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.layout.dtype, device=device),
+             torch.zeros(shape, dtype=self.layout.dtype, device=device))
+            for _ in range(self.layout.num_layers)
+        ]  # fmt: skip
+
+    def _num_blocks(self, cache: CacheConfig) -> int:
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        budget = cache.kv_cache_bytes
+        if budget is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cache.kv_cache_memory_fraction)
+        budget = budget or CPU_DEFAULT_KV_BYTES
+        num = budget // (self.layout.bytes_per_token() * cache.block_size)
+        if num < 1:
+            raise ValueError(f"a KV budget of {budget} bytes holds no block of {cache.block_size}")
+        return num
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.layout.bytes_per_token()
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat input ids and positions, and the step's attention metadata."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills, decode_rows, decode_tables, decode_lens = [], [], [], []
+        bs = self.block_size
+        for chunk in out.chunks:
+            start, n = chunk.start_pos, len(chunk.token_ids)
+            row = len(ids)
+            ids.extend(chunk.token_ids)
+            positions.extend(range(start, start + n))
+            slots.extend(chunk.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(chunk.block_ids)
+                decode_lens.append(start + 1)
+            else:
+                block_ids = torch.tensor(chunk.block_ids, device=self.device)
+                prefills.append(SequenceSlice(row, row + n, start + n, block_ids))
+        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        width = max((len(t) for t in decode_tables), default=0)
+        tables = [t + [0] * (width - len(t)) for t in decode_tables]
+        mask = torch.arange(width * bs, device=self.device)[None, :] < as_long(decode_lens)[:, None]
+        meta = AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=as_long(slots),
+            prefills=prefills,
+            decode_rows=as_long(decode_rows),
+            decode_block_tables=as_long(tables).view(len(tables), width),
+            decode_mask=mask[:, None, None, :],
+            backend=self.backend,
+        )
+        return as_long(ids), as_long(positions), meta
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        out: SchedulerOutput,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Float32 logits [number of sampling chunks, vocab], in the order of `out.chunks`."""
+        rows, end = [], 0
+        for chunk in out.chunks:
+            end += len(chunk.token_ids)
+            if chunk.sample:
+                rows.append(end - 1)
+        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+        result = self.model(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+            logits_to_keep=keep, paged=meta,
+        )  # fmt: skip
+        return result.logits[0].float()
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        return self.forward(out, *self.prepare(out))

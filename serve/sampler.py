@@ -1,0 +1,77 @@
+"""Turn each sampling request's logits row into its next token (and its logprobs).
+
+Model: greedy rows take the argmax (the fast path when every row is greedy). Other rows are
+divided by their temperature, cut to top-k then top-p, and drawn from with the request's own
+generator when it has a seed (so its samples do not depend on the batch around it) or with the
+engine's generator otherwise. Logprobs come from the unmodified logits, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from serve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleInput:
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class Sampled:
+    token_id: int
+    logprobs: dict[int, float] | None
+    """The sampled token's logprob and the top-N, when the request asked for logprobs."""
+
+
+def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    logits = logits / params.temperature
+    if params.top_k is not None and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keeps the first token
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, inputs: list[SampleInput]) -> list[Sampled]:
+        """logits: float32 [len(inputs), vocab], on any device."""
+        if all(i.params.greedy for i in inputs):
+            token_ids = logits.argmax(-1).tolist()
+        else:
+            token_ids = [self._one(row, i) for row, i in zip(logits.cpu(), inputs)]
+        return [
+            Sampled(
+                t,
+                self._logprobs(row, t, i.params.logprobs)
+                if i.params.logprobs is not None
+                else None,
+            )
+            for row, t, i in zip(logits, token_ids, inputs)
+        ]
+
+    def _one(self, row: torch.Tensor, item: SampleInput) -> int:
+        if item.params.greedy:
+            return int(row.argmax())
+        probs = _filter(row, item.params).softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=item.generator or self.generator))
+
+    @staticmethod
+    def _logprobs(row: torch.Tensor, token_id: int, top_n: int) -> dict[int, float]:
+        logprobs = row.log_softmax(-1)
+        out = {token_id: float(logprobs[token_id])}
+        if top_n:
+            values, ids = logprobs.topk(top_n)
+            out.update(zip(ids.tolist(), values.tolist()))
+        return out

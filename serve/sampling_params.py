@@ -1,0 +1,48 @@
+"""How one request samples and when it stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    """Most tokens to generate; 0 computes the prompt only (prompt logprobs)."""
+    temperature: float = 1.0
+    """0 is greedy."""
+    top_k: int | None = None
+    """Keep the k most likely tokens; None keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p."""
+    seed: int | None = None
+    """Seeds this request's own generator: its samples do not depend on the batch it runs in."""
+    stop: tuple[str, ...] = ()
+    """Stop when the output text contains one of these; the stop string is not returned."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Stop after generating one of these tokens (kept in the output)."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token."""
+    logprobs: int | None = None
+    """Return this many top logprobs for each generated token (0: only the sampled one's)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_tokens < 0:
+            problems.append(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.temperature < 0:
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            problems.append(f"top_k must be >= 1 or None, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            problems.append(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            problems.append("stop strings must be non-empty")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,172 @@
+"""Continuous batching: which requests compute how many tokens this step.
+
+Model, one step:
+  1. Running requests first, oldest first: each gets `num_tokens - num_computed_tokens` tokens
+     (1 when decoding, the rest of its prompt when prefilling), cut to the remaining token budget.
+     When the pool has too few free blocks, the newest running request is preempted (its blocks
+     freed, its counter reset, put back at the head of the waiting queue) until the request fits or
+     is itself the one preempted.
+  2. If nothing was preempted, waiting requests are admitted in order while the token budget,
+     `max_num_seqs` and free blocks allow, each first adopting its prefix-cache hits.
+  3. `update` applies the step's sampled tokens: counters advance, stop conditions end requests,
+     and finished requests free their blocks at once.
+The scheduler sees token ids and block ids only; `SchedulerOutput` is all the runner gets.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from serve.block_pool import BlockPool
+from serve.config import SchedulerConfig
+from serve.kv_cache_manager import KVCacheManager
+from serve.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of a step: compute `token_ids` at positions `start_pos...`."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+    """True when this chunk reaches the request's last token: the runner samples the next one."""
+    adapter_id: int | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int) -> None:
+        self.config = config
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        for request in list(self.running):
+            if budget == 0 or request in preempted:
+                break
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                preempted.append(self._preempt_newest())
+                if preempted[-1] is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+        while self.waiting and budget > 0 and not preempted and self._can_admit():
+            num_new = self._admit(self.waiting[0], budget)
+            if num_new is None:
+                break
+            scheduled.append((self.waiting.popleft(), num_new))
+            budget -= num_new
+        return SchedulerOutput(
+            [self._chunk(r, n) for r, n in scheduled], [r.request_id for r in preempted]
+        )
+
+    def _can_admit(self) -> bool:
+        return len(self.running) < self.config.max_num_seqs
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Adopt prefix hits and allocate for the first chunk; None if blocks are short."""
+        hits = self.kv.get_computed_blocks(request)
+        num_hit = len(hits) * self.kv.block_size
+        num_new = min(request.num_tokens - num_hit, budget)
+        if not self.kv.allocate_slots(request, num_new, hits):
+            return None
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_hit
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return num_new
+
+    def _preempt_newest(self) -> Request:
+        victim = self.running.pop()
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.WAITING
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        return victim
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_pos=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            adapter_id=request.adapter_id,
+        )
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance counters, append sampled tokens, finish what stops; return finished ones."""
+        finished = []
+        for chunk in output.chunks:
+            request = self.requests[chunk.request_id]
+            request.num_computed_tokens += len(chunk.token_ids)
+            self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            token = sampled.get(chunk.request_id)
+            if token is None:
+                if chunk.sample and request.sampling_params.max_tokens == 0:
+                    finished.append(self.finish(request.request_id, FinishReason.LENGTH))
+                continue
+            request.append_output(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                finished.append(self.finish(request.request_id, reason))
+        return finished  # type: ignore[return-value]
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling_params
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if token == request.eos_token_id and not params.ignore_eos:
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request (stopped, at its length, or aborted) and free its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        return request

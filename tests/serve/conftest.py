@@ -1,0 +1,85 @@
+"""Small random-weight models of three architectures, and their transformers reference outputs.
+
+Weights are drawn with a large init range so that greedy outputs vary and the top-2 logit gap
+stays well above float32 noise: token-exact comparison against `generate` is then meaningful.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
+
+ARCHITECTURES = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    prompt: list[int]
+    max_tokens: int
+
+
+def make_model(arch: str, tokenizer_dir: Path, out: Path, seed: int = 0) -> Path:
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(seed)
+    config = ARCHITECTURES[arch](
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        initializer_range=0.3, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def make_cases(
+    n: int, seed: int, vocab: int, max_prompt: int = 300, max_out: int = 64
+) -> list[Case]:
+    rng = random.Random(seed)
+    lengths = [1, max_prompt] + [rng.randint(1, max_prompt) for _ in range(n - 2)]
+    return [
+        Case([rng.randrange(6, vocab) for _ in range(length)], rng.randint(1, max_out))
+        for length in lengths
+    ]
+
+
+def reference_outputs(model_dir: Path, cases: list[Case]) -> list[list[int]]:
+    """`generate`, greedy, one request at a time (no padding), stopping at eos as the engine does."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    outs = []
+    with torch.inference_mode():
+        for case in cases:
+            ids = torch.tensor([case.prompt])
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=case.max_tokens,
+                do_sample=False,
+            )  # fmt: skip
+            outs.append(gen[0, ids.shape[1] :].tolist())
+    return outs
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {a: make_model(a, tiny_model_dir, root / a) for a in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def cases(model_dirs: dict[str, Path]) -> list[Case]:
+    vocab = AutoTokenizer.from_pretrained(model_dirs["llama"]).__len__()
+    return make_cases(32, seed=1234, vocab=vocab)
+
+
+@pytest.fixture(scope="session")
+def references(model_dirs: dict[str, Path], cases: list[Case]) -> dict[str, list[list[int]]]:
+    return {a: reference_outputs(d, cases) for a, d in model_dirs.items()}
