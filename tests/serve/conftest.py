@@ -54,7 +54,7 @@ def make_cases(
 
 
 def reference_outputs(model_dir: Path, cases: list[Case]) -> list[list[int]]:
-    """`generate`, greedy, one request at a time (no padding), stopping at eos as the engine does."""
+    """`generate`, greedy, one request at a time (no padding), stopping at eos like the engine."""
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     outs = []
     with torch.inference_mode():

@@ -64,9 +64,11 @@ def assert_all_free(engine: LLMEngine) -> None:
 
 def assert_equal(outputs: dict[int, list[int]], reference: list[list[int]], ids: list[int]) -> None:
     mismatched = [i for i in ids if outputs[i] != reference[i]]
-    assert not mismatched, (
-        f"requests {mismatched} differ, first: {outputs[mismatched[0]]} vs {reference[mismatched[0]]}"
-    )
+    if mismatched:
+        first = mismatched[0]
+        raise AssertionError(
+            f"{mismatched} differ; {first}: {outputs[first]} vs {reference[first]}"
+        )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
