@@ -1,0 +1,122 @@
+"""Sampling through the whole engine: seeds, top-k / top-p, stops, logprobs, the LLM API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from serve import LLM, SamplingParams
+from serve.request import FinishReason, Request
+from tests.serve.conftest import Case
+
+
+@pytest.fixture(scope="module")
+def llm(model_dirs: dict[str, Path]) -> LLM:
+    return LLM(model_dirs["llama"], device="cpu", dtype="float32", num_blocks=256)
+
+
+def test_seeded_samples_do_not_depend_on_the_batch(llm: LLM, cases: list[Case]) -> None:
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=42)
+    alone = llm.generate([cases[5].prompt], params)[0].token_ids
+    others = [SamplingParams(max_tokens=30, temperature=0.8, seed=i) for i in range(6)]
+    crowd = llm.generate([c.prompt for c in cases[:6]] + [cases[5].prompt], [*others, params])
+    assert crowd[-1].token_ids == alone
+    again = llm.generate([cases[5].prompt], SamplingParams(max_tokens=24, temperature=1.0, seed=43))
+    assert again[0].token_ids != alone
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(llm: LLM, cases: list[Case]) -> None:
+    prompts = [c.prompt for c in cases[:6]]
+    greedy = [
+        o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    ]
+    for params in (
+        SamplingParams(max_tokens=12, temperature=1.0, top_k=1, seed=1),
+        SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-6, seed=1),
+    ):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == greedy
+
+
+def test_top_k_keeps_samples_inside_the_top_k(llm: LLM, cases: list[Case]) -> None:
+    params = SamplingParams(max_tokens=32, temperature=2.0, top_k=3, logprobs=3, seed=5)
+    out = llm.generate([cases[3].prompt], params)[0]
+    for token, logprobs in zip(out.token_ids, out.logprobs):
+        top3 = sorted(logprobs.items(), key=lambda kv: -kv[1])[:3]
+        assert token in dict(top3)
+
+
+def test_logprobs_match_transformers(
+    llm: LLM, model_dirs: dict[str, Path], cases: list[Case]
+) -> None:
+    prompt = cases[4].prompt
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=2))[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval()
+    gen = model.generate(
+        torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+        output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    for step, (token, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
+        expected = gen.logits[step][0].float().log_softmax(-1)
+        top = expected.topk(2)
+        assert set(logprobs) == {token, *top.indices.tolist()}
+        for t, lp in logprobs.items():
+            assert lp == pytest.approx(expected[t].item(), abs=1e-4)
+
+
+def test_stop_strings_and_stop_token_ids(llm: LLM, cases: list[Case]) -> None:
+    prompt = cases[7].prompt
+    free = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    stop = free.text[10:14]
+    cut = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.find(stop)]
+    stop_id = free.token_ids[5]
+    first = free.token_ids.index(stop_id)
+    by_id = llm.generate(
+        [prompt], SamplingParams(max_tokens=40, temperature=0, stop_token_ids=(stop_id,))
+    )[0]
+    assert by_id.token_ids == free.token_ids[: first + 1] and by_id.finish_reason == "stop"
+
+
+def test_max_tokens_zero_and_usage(llm: LLM, cases: list[Case]) -> None:
+    outs = llm.generate(
+        [cases[2].prompt, cases[3].prompt],
+        [
+            SamplingParams(max_tokens=0),
+            SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+        ],
+    )
+    assert outs[0].token_ids == [] and outs[0].finish_reason == "length"
+    assert (
+        outs[1].usage.prompt_tokens == len(cases[3].prompt) and outs[1].usage.completion_tokens == 3
+    )
+    assert llm.engine.scheduler.pool.num_free_blocks == llm.engine.runner.num_blocks
+
+
+def test_text_prompts_are_tokenized_with_bos(llm: LLM) -> None:
+    out = llm.generate("Return the", SamplingParams(max_tokens=2, temperature=0))[0]
+    assert out.usage.prompt_tokens == len(llm.engine.tokenizer("Return the").input_ids)
+
+
+def test_ignore_eos_keeps_generating() -> None:
+    from serve.config import SchedulerConfig
+    from serve.scheduler import Scheduler
+
+    s = Scheduler(SchedulerConfig(), num_blocks=8, block_size=4)
+    s.add_request(
+        Request("a", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True), eos_token_id=1)
+    )
+    for _ in range(3):
+        out = s.schedule()
+        finished = s.update(out, {"a": 1})
+    assert [r.finish_reason for r in finished] == [FinishReason.LENGTH]
+
+
+def test_invalid_sampling_params_name_the_field() -> None:
+    for kwargs, word in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+                         ({"top_k": 0}, "top_k"), ({"max_tokens": -2}, "max_tokens"),
+                         ({"logprobs": 50}, "logprobs"), ({"stop": ("",)}, "stop")]:  # fmt: skip
+        with pytest.raises(ValueError, match=word):
+            SamplingParams(**kwargs)
