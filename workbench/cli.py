@@ -99,6 +99,12 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from evals.engine_bench import main as bench_main
+
+    return bench_main(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo-model", help="build (first use) and describe the offline demo model")
     p.add_argument("--name", default="demo", choices=["demo", "demo-tiny"], help="which spec")
     p.set_defaults(func=cmd_demo_model)
+    p = sub.add_parser(
+        "bench-engine",
+        add_help=False,
+        help="engine throughput vs transformers' static and continuous batching (--help for more)",
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench_engine)
     return parser
 
 

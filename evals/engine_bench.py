@@ -1,0 +1,280 @@
+"""Engine throughput against transformers' own batching, in one process, on the same requests.
+
+Systems: this engine (`LLMEngine`); `generate` with static padded batches (every batch runs until
+its longest request is done); transformers' continuous batching (`init_continuous_batching`).
+Every system generates exactly each request's `max_tokens` (end-of-sequence ignored), so the
+useful output is the same and throughput = requested output tokens / wall seconds. Rounds run the
+systems in alternation (A B C A B C) and ratios are taken per round: the median, min and max are
+reported, as the shared 2-core machines drift.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel
+
+from serve import LLMEngine, SamplingParams
+from serve.config import CacheConfig, ModelConfig, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def make_workload(kind: str, n: int, vocab: int, seed: int = 0) -> Workload:
+    """(a) `mixed`: prompts uniform in 16..512 tokens, outputs in 16..256; (b) `equal`: means."""
+    rng = random.Random(seed)
+    if kind == "mixed":
+        lengths = [(rng.randint(16, 512), rng.randint(16, 256)) for _ in range(n)]
+    elif kind == "equal":
+        lengths = [(264, 136)] * n
+    else:
+        raise ValueError(f"unknown workload {kind!r}; use mixed or equal")
+    prompts = [[rng.randrange(10, vocab) for _ in range(p)] for p, _ in lengths]
+    return Workload(kind, prompts, [o for _, o in lengths])
+
+
+def random_llama_25m(tokenizer_dir: Path, out: Path) -> Path:
+    """A ~25M-parameter Llama (hidden 512, 8 layers, GQA 8/4) with random weights."""
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=512, intermediate_size=1280, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@dataclass
+class Measured:
+    seconds: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def run_engine(engine: LLMEngine, w: Workload) -> Measured:
+    for i, (prompt, n) in enumerate(zip(w.prompts, w.max_tokens)):
+        engine.add_request(
+            str(i), prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        )
+    engine.timings.clear()
+    wastes, peak_running, steps = [], 0, 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.stats()
+        steps += 1
+        peak_running = max(peak_running, stats.num_running)
+        if stats.num_running >= 32:
+            wastes.append(stats.kv_waste)
+    seconds = time.perf_counter() - start
+    step_total = sum(engine.timings.values())
+    extra = {f"share_{k}": v / step_total for k, v in engine.timings.items()}
+    extra.update(
+        steps=steps,
+        peak_running=peak_running,
+        kv_waste_mean=statistics.fmean(wastes or [0.0]),
+        kv_waste_max=max(wastes or [0.0]),
+        preemptions=engine.stats().num_preemptions,
+    )
+    return Measured(seconds, extra)
+
+
+def run_static(model: PreTrainedModel, w: Workload, batch_size: int, pad_id: int) -> Measured:
+    start = time.perf_counter()
+    for i in range(0, len(w.prompts), batch_size):
+        prompts = w.prompts[i : i + batch_size]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        longest = max(w.max_tokens[i : i + batch_size])
+        config = GenerationConfig(
+            max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+            pad_token_id=pad_id, eos_token_id=None,
+        )  # fmt: skip
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, generation_config=config)
+        assert out.shape[1] == width + longest
+    return Measured(time.perf_counter() - start)
+
+
+def run_hf_continuous(model: PreTrainedModel, w: Workload) -> Measured:
+    config = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=max(w.max_tokens))
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        start = time.perf_counter()
+        for i, (prompt, n) in enumerate(zip(w.prompts, w.max_tokens)):
+            manager.add_request(prompt, request_id=str(i), max_new_tokens=n, eos_token_id=-1)
+        done = 0
+        while done < len(w.prompts):
+            result = manager.get_result(timeout=5)
+            if result is not None and result.is_finished():
+                assert len(result.generated_tokens) == w.max_tokens[int(result.request_id)]
+                done += 1
+        return Measured(time.perf_counter() - start)
+    finally:
+        manager.stop(block=True)
+
+
+@dataclass
+class SystemRuns:
+    name: str
+    run: Callable[[], Measured]
+    results: list[Measured] = field(default_factory=list)
+
+
+def compare(
+    systems: list[SystemRuns], rounds: int, tokens: int, log: Callable[[str], None]
+) -> None:
+    for r in range(rounds):
+        for s in systems:
+            s.results.append(s.run())
+            log(f"round {r + 1} {s.name:>16}: {tokens / s.results[-1].seconds:8.1f} output tok/s")
+
+
+def ratio_summary(ours: SystemRuns, other: SystemRuns) -> tuple[float, float, float]:
+    ratios = [o.seconds / m.seconds for m, o in zip(ours.results, other.results)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def engine_for(model_dir: Path, kv_bytes: int, max_num_seqs: int = 256) -> LLMEngine:
+    return LLMEngine(
+        ModelConfig(str(model_dir), dtype="float32", device="cpu"),
+        CacheConfig(block_size=16, kv_cache_bytes=kv_bytes),
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, max_model_len=2048),
+    )
+
+
+def load_baseline_model(model_dir: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+
+
+def concurrency_vs_contiguous(
+    model_dir: Path, vocab: int, max_model_len: int = 2048
+) -> dict[str, float]:
+    """At a KV budget that holds 16 contiguous `max_model_len` reservations, how many sequences
+    run at once with paged blocks (256 requests of the mixed workload, all submitted at once)."""
+    probe = engine_for(model_dir, 1 << 20)
+    budget = 16 * max_model_len * probe.runner.layout.bytes_per_token()
+    engine = engine_for(model_dir, budget, max_num_seqs=1024)
+    w = make_workload("mixed", 256, vocab, seed=1)
+    measured = run_engine(engine, w)
+    contiguous = budget // (max_model_len * engine.runner.layout.bytes_per_token())
+    return {"kv_budget_bytes": budget, "contiguous_sequences": contiguous,
+            "paged_peak_sequences": measured.extra["peak_running"],
+            "ratio": measured.extra["peak_running"] / contiguous}  # fmt: skip
+
+
+def bench_model(
+    name: str,
+    model_dir: Path,
+    workloads: list[str],
+    rounds: int,
+    n: int,
+    log: Callable[[str], None],
+) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    baseline = load_baseline_model(model_dir)
+    engine = engine_for(model_dir, kv_bytes=1 << 30)
+    report: dict = {"model": name, "parameters": sum(p.numel() for p in baseline.parameters())}
+    warm = make_workload("mixed", 4, len(tok), seed=99)
+    (
+        run_engine(engine, warm),
+        run_static(baseline, warm, 4, tok.pad_token_id),
+        run_hf_continuous(baseline, warm),
+    )
+    for kind in workloads:
+        w = make_workload(kind, n, len(tok))
+        systems = [
+            SystemRuns("engine", lambda w=w: run_engine(engine, w)),
+            SystemRuns("static-16", lambda w=w: run_static(baseline, w, 16, tok.pad_token_id)),
+            SystemRuns("static-64", lambda w=w: run_static(baseline, w, 64, tok.pad_token_id)),
+            SystemRuns("hf-continuous", lambda w=w: run_hf_continuous(baseline, w)),
+        ]
+        log(f"== {name}, workload {kind}: {n} requests, {w.output_tokens} output tokens")
+        compare(systems, rounds, w.output_tokens, log)
+        ours = systems[0]
+        best_static = min(
+            systems[1:3], key=lambda s: statistics.median(m.seconds for m in s.results)
+        )
+        report[kind] = {
+            "tokens_per_s": {
+                s.name: w.output_tokens / statistics.median(m.seconds for m in s.results)
+                for s in systems
+            },
+            "vs_best_static": ratio_summary(ours, best_static),
+            "best_static": best_static.name,
+            "vs_hf_continuous": ratio_summary(ours, systems[3]),
+            "engine": ours.results[-1].extra,
+        }
+        log(f"   engine / {best_static.name} (median, min, max): {report[kind]['vs_best_static']}")
+        log(f"   engine / hf-continuous (median, min, max): {report[kind]['vs_hf_continuous']}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import os
+
+    from workbench.demo import ensure_demo_model
+
+    parser = argparse.ArgumentParser(prog="workbench bench-engine", description=__doc__)
+    parser.add_argument("--models", default="demo,llama-25m", help="comma list: demo, llama-25m")
+    parser.add_argument("--workloads", default="mixed,equal", help="comma list: mixed, equal")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per workload")
+    parser.add_argument("--requests", type=int, default=64, help="requests per workload")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+    parser.add_argument("--out", default="reports/bench-engine.json", help="JSON results file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    demo = ensure_demo_model("demo")
+    dirs = {
+        "demo": demo,
+        "llama-25m": random_llama_25m(
+            demo, Path(os.environ.get("TMPDIR", "/tmp")) / "workbench-llama-25m"
+        ),
+    }
+    results = {"threads": args.threads, "models": []}
+    for name in args.models.split(","):
+        results["models"].append(
+            bench_model(
+                name, dirs[name], args.workloads.split(","), args.rounds, args.requests, print
+            )
+        )
+        results["models"][-1]["concurrency"] = concurrency_vs_contiguous(dirs[name], 4096)
+        print("   concurrency at a fixed KV budget:", results["models"][-1]["concurrency"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
