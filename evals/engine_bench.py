@@ -57,11 +57,18 @@ def random_llama_25m(tokenizer_dir: Path, out: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=512, intermediate_size=1280, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        vocab_size=len(tok),
+        hidden_size=512,
+        intermediate_size=1280,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tok.save_pretrained(out)
     return out
@@ -110,9 +117,12 @@ def run_static(model: PreTrainedModel, w: Workload, batch_size: int, pad_id: int
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         longest = max(w.max_tokens[i : i + batch_size])
         config = GenerationConfig(
-            max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-            pad_token_id=pad_id, eos_token_id=None,
-        )  # fmt: skip
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            pad_token_id=pad_id,
+            eos_token_id=None,
+        )
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, generation_config=config)
         assert out.shape[1] == width + longest
@@ -184,9 +194,12 @@ def concurrency_vs_contiguous(
     w = make_workload("mixed", 256, vocab, seed=1)
     measured = run_engine(engine, w)
     contiguous = budget // (max_model_len * engine.runner.layout.bytes_per_token())
-    return {"kv_budget_bytes": budget, "contiguous_sequences": contiguous,
-            "paged_peak_sequences": measured.extra["peak_running"],
-            "ratio": measured.extra["peak_running"] / contiguous}  # fmt: skip
+    return {
+        "kv_budget_bytes": budget,
+        "contiguous_sequences": contiguous,
+        "paged_peak_sequences": measured.extra["peak_running"],
+        "ratio": measured.extra["peak_running"] / contiguous,
+    }
 
 
 def bench_model(

@@ -53,9 +53,13 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """q: [T, heads, head_dim] -> [T, heads, head_dim], after the step's K/V are written."""
         ...
 

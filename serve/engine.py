@@ -21,10 +21,11 @@ from serve.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.kv_cache_manager import cdiv
 from serve.model_runner import ModelRunner, load_model, resolve_device, resolve_dtype
 from serve.request import FinishReason, Request
-from serve.sampler import SampleInput, Sampler
+from serve.sampler import SampleInput, Sampler, token_logprobs
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler, SchedulerOutput
 from serve.stats import EngineStats
+from serve.step_inputs import StepInputs
 
 
 @dataclass
@@ -36,6 +37,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_cached_tokens: int = 0
 
 
@@ -97,9 +99,13 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         self._validate(request_id, token_ids, params)
         request = Request(
-            request_id, token_ids, params, eos_token_id=self.tokenizer.eos_token_id,
-            adapter_id=adapter_id, arrival_index=next(self._arrivals),
-        )  # fmt: skip
+            request_id,
+            token_ids,
+            params,
+            eos_token_id=self.tokenizer.eos_token_id,
+            adapter_id=adapter_id,
+            arrival_index=next(self._arrivals),
+        )
         self.scheduler.add_request(request)
         self._texts[request_id] = ""
         return request
@@ -139,11 +145,12 @@ class LLMEngine:
         clock = _Clock(self.timings)
         out = self.scheduler.schedule()
         clock.lap("schedule")
-        input_ids, positions, meta = self.runner.prepare(out)
+        inputs = self.runner.prepare(out)
         clock.lap("prepare")
-        logits = self.runner.forward(out, input_ids, positions, meta)
+        logits = self.runner.forward(inputs)
         clock.lap("model")
-        tokens = self._sample(out, logits)
+        tokens = self._sample(inputs, logits)
+        self._record_prompt_logprobs(out, inputs, logits)
         clock.lap("sample")
         requests = {c.request_id: self.scheduler.requests[c.request_id] for c in out.chunks}
         finished = self.scheduler.update(out, tokens)
@@ -153,20 +160,38 @@ class LLMEngine:
         self.last_step_tokens = out.num_tokens
         return outputs
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[str, int]:
-        """Sample for every chunk that reached its request's end (logits rows, in order)."""
-        chunks = [c for c in out.chunks if c.sample]
-        rows = [i for i, c in enumerate(chunks) if self._wants_token(c.request_id)]
-        if not rows:
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> dict[str, int]:
+        """Sample for every request whose chunk reached its end and that wants a token."""
+        ids = [r for r in inputs.sample_rows if self._wants_token(r)]
+        if not ids:
             return {}
-        requests = [self.scheduler.requests[chunks[i].request_id] for i in rows]
-        inputs = [SampleInput(r.sampling_params, r.generator) for r in requests]
+        requests = [self.scheduler.requests[r] for r in ids]
+        rows = [inputs.sample_rows[r] for r in ids]
+        sample_inputs = [SampleInput(r.sampling_params, r.generator) for r in requests]
         tokens = {}
-        for request, s in zip(requests, self.sampler.sample(logits[rows], inputs)):
+        for request, s in zip(requests, self.sampler.sample(logits[rows], sample_inputs)):
             tokens[request.request_id] = s.token_id
             if s.logprobs is not None:
                 request.logprobs.append(s.logprobs)
         return tokens
+
+    def _record_prompt_logprobs(
+        self, out: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
+    ) -> None:
+        """Logits at position p score prompt token p + 1; token 0 gets None."""
+        for chunk in out.chunks:
+            if chunk.request_id not in inputs.prompt_rows:
+                continue
+            request = self.scheduler.requests[chunk.request_id]
+            first, count = inputs.prompt_rows[chunk.request_id]
+            top_n = request.sampling_params.prompt_logprobs or 0
+            if not request.prompt_logprobs:
+                request.prompt_logprobs.append(None)
+            for i in range(count):
+                target = chunk.start_pos + i + 1
+                if target == len(request.prompt_logprobs) and target < request.num_prompt_tokens:
+                    token = request.prompt_token_ids[target]
+                    request.prompt_logprobs.append(token_logprobs(logits[first + i], token, top_n))
 
     def _wants_token(self, request_id: str) -> bool:
         return self.scheduler.requests[request_id].sampling_params.max_tokens > 0
@@ -210,6 +235,7 @@ class LLMEngine:
             finished=request.is_finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             logprobs=list(request.logprobs),
+            prompt_logprobs=list(request.prompt_logprobs) if request.is_finished else [],
             num_cached_tokens=request.num_cached_tokens,
         )
 

@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from serve.attention import ATTENTION_NAME, BACKENDS, AttentionMetadata, SequenceSlice
+from serve.attention import ATTENTION_NAME, BACKENDS
 from serve.config import CacheConfig, ModelConfig
 from serve.scheduler import SchedulerOutput
+from serve.step_inputs import StepInputs, build_step_inputs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_BYTES = 256 << 20
@@ -87,10 +88,12 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(cache)
         shape = (self.num_blocks, cache.block_size, self.layout.num_kv_heads, self.layout.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.layout.dtype, device=device),
-             torch.zeros(shape, dtype=self.layout.dtype, device=device))
+            (
+                torch.zeros(shape, dtype=self.layout.dtype, device=device),
+                torch.zeros(shape, dtype=self.layout.dtype, device=device),
+            )
             for _ in range(self.layout.num_layers)
-        ]  # fmt: skip
+        ]
 
     def _num_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
@@ -109,61 +112,20 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return self.num_blocks * self.block_size * self.layout.bytes_per_token()
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat input ids and positions, and the step's attention metadata."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        prefills, decode_rows, decode_tables, decode_lens = [], [], [], []
-        bs = self.block_size
-        for chunk in out.chunks:
-            start, n = chunk.start_pos, len(chunk.token_ids)
-            row = len(ids)
-            ids.extend(chunk.token_ids)
-            positions.extend(range(start, start + n))
-            slots.extend(chunk.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
-                decode_rows.append(row)
-                decode_tables.append(chunk.block_ids)
-                decode_lens.append(start + 1)
-            else:
-                block_ids = torch.tensor(chunk.block_ids, device=self.device)
-                prefills.append(SequenceSlice(row, row + n, start + n, block_ids))
-        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        width = max((len(t) for t in decode_tables), default=0)
-        tables = [t + [0] * (width - len(t)) for t in decode_tables]
-        mask = torch.arange(width * bs, device=self.device)[None, :] < as_long(decode_lens)[:, None]
-        meta = AttentionMetadata(
-            kv_caches=self.kv_caches,
-            slot_mapping=as_long(slots),
-            prefills=prefills,
-            decode_rows=as_long(decode_rows),
-            decode_block_tables=as_long(tables).view(len(tables), width),
-            decode_mask=mask[:, None, None, :],
-            backend=self.backend,
-        )
-        return as_long(ids), as_long(positions), meta
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        return build_step_inputs(out, self.block_size, self.kv_caches, self.backend, self.device)
 
     @torch.inference_mode()
-    def forward(
-        self,
-        out: SchedulerOutput,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Float32 logits [number of sampling chunks, vocab], in the order of `out.chunks`."""
-        rows, end = [], 0
-        for chunk in out.chunks:
-            end += len(chunk.token_ids)
-            if chunk.sample:
-                rows.append(end - 1)
-        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Float32 logits at `inputs.logits_rows`: [len(logits_rows), vocab]."""
         result = self.model(
-            input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-            logits_to_keep=keep, paged=meta,
-        )  # fmt: skip
+            input_ids=inputs.input_ids[None],
+            position_ids=inputs.positions[None],
+            use_cache=False,
+            logits_to_keep=inputs.logits_rows,
+            paged=inputs.meta,
+        )
         return result.logits[0].float()
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        return self.forward(out, *self.prepare(out))
+        return self.forward(self.prepare(out))

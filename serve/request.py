@@ -49,6 +49,7 @@ class Request:
     num_cached_tokens: int = 0
     """Prompt tokens served by the prefix cache at first admission."""
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:

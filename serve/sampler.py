@@ -41,6 +41,16 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def token_logprobs(row: torch.Tensor, token_id: int, top_n: int) -> dict[int, float]:
+    """{token: logprob} for `token_id` and the `top_n` most likely tokens of one logits row."""
+    logprobs = row.log_softmax(-1)
+    out = {token_id: float(logprobs[token_id])}
+    if top_n:
+        values, ids = logprobs.topk(top_n)
+        out.update(zip(ids.tolist(), values.tolist()))
+    return out
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -54,7 +64,7 @@ class Sampler:
         return [
             Sampled(
                 t,
-                self._logprobs(row, t, i.params.logprobs)
+                token_logprobs(row, t, i.params.logprobs)
                 if i.params.logprobs is not None
                 else None,
             )
@@ -66,12 +76,3 @@ class Sampler:
             return int(row.argmax())
         probs = _filter(row, item.params).softmax(-1)
         return int(torch.multinomial(probs, 1, generator=item.generator or self.generator))
-
-    @staticmethod
-    def _logprobs(row: torch.Tensor, token_id: int, top_n: int) -> dict[int, float]:
-        logprobs = row.log_softmax(-1)
-        out = {token_id: float(logprobs[token_id])}
-        if top_n:
-            values, ids = logprobs.topk(top_n)
-            out.update(zip(ids.tolist(), values.tolist()))
-        return out

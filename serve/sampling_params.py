@@ -25,6 +25,9 @@ class SamplingParams:
     """Keep generating past the end-of-sequence token."""
     logprobs: int | None = None
     """Return this many top logprobs for each generated token (0: only the sampled one's)."""
+    prompt_logprobs: int | None = None
+    """Return the logprob of every prompt token (and this many top ones); such a request
+    bypasses the prefix cache, since cached tokens are not run through the model."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -36,8 +39,10 @@ class SamplingParams:
             problems.append(f"top_k must be >= 1 or None, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            problems.append(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                problems.append(f"{name} must be in [0, 20], got {value}")
         if any(not s for s in self.stop):
             problems.append("stop strings must be non-empty")
         if problems:

@@ -35,6 +35,8 @@ class ScheduledChunk:
     sample: bool
     """True when this chunk reaches the request's last token: the runner samples the next one."""
     adapter_id: int | None = None
+    prompt_logprobs: bool = False
+    """Compute logits at every row of the chunk (the request asked for prompt logprobs)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,8 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Adopt prefix hits and allocate for the first chunk; None if blocks are short."""
-        hits = self.kv.get_computed_blocks(request)
+        wants_all_logits = request.sampling_params.prompt_logprobs is not None
+        hits = [] if wants_all_logits else self.kv.get_computed_blocks(request)
         num_hit = len(hits) * self.kv.block_size
         num_new = min(request.num_tokens - num_hit, budget)
         if not self.kv.allocate_slots(request, num_new, hits):
@@ -125,6 +128,8 @@ class Scheduler:
             block_ids=self.kv.block_ids(request.request_id),
             sample=start + num_new == request.num_tokens,
             adapter_id=request.adapter_id,
+            prompt_logprobs=request.sampling_params.prompt_logprobs is not None
+            and start < request.num_prompt_tokens,
         )
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from serve.server_cli import add_serve_arguments
 from workbench.pipeline import Pipeline, VariantResult
 from workbench.recipe import RecipeError, load_recipe
 
@@ -99,6 +100,17 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from serve.server_cli import run_server
+    from workbench.demo import SPECS, ensure_demo_model
+
+    if args.model in SPECS:
+        if not args.served_model_name:
+            args.served_model_name = args.model
+        args.model = str(ensure_demo_model(args.model, console))
+    return run_server(args)
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from evals.engine_bench import main as bench_main
 
@@ -122,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo-model", help="build (first use) and describe the offline demo model")
     p.add_argument("--name", default="demo", choices=["demo", "demo-tiny"], help="which spec")
     p.set_defaults(func=cmd_demo_model)
+    p = sub.add_parser("serve", help="serve a model or variant over an OpenAI-compatible HTTP API")
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
     p = sub.add_parser(
         "bench-engine",
         add_help=False,
@@ -133,7 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args, extra = build_parser().parse_known_args(argv)
+    if args.command == "bench-engine":
+        args.args = extra + args.args
+    elif extra:
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except RecipeError as e:

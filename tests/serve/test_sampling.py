@@ -120,3 +120,31 @@ def test_invalid_sampling_params_name_the_field() -> None:
                          ({"logprobs": 50}, "logprobs"), ({"stop": ("",)}, "stop")]:  # fmt: skip
         with pytest.raises(ValueError, match=word):
             SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("budget", [2048, 16])
+def test_prompt_logprobs_match_transformers(
+    model_dirs: dict[str, Path], cases: list[Case], budget: int
+) -> None:
+    """Every prompt token's logprob (chunked or not), also when the prefix is already cached."""
+    from tests.serve.test_engine_exact import make_engine
+
+    prompt = cases[6].prompt[:70]
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval()
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    engine = make_engine(model_dirs["llama"], budget=budget)
+    engine.add_request("warm", prompt, SamplingParams(max_tokens=1))  # fills the prefix cache
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("a", prompt, SamplingParams(max_tokens=0, prompt_logprobs=2))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (out,) = [o for o in outputs if o.finished]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos, logprobs in enumerate(out.prompt_logprobs[1:], start=1):
+        assert prompt[pos] in logprobs and len(logprobs) in (2, 3)
+        for token, lp in logprobs.items():
+            assert lp == pytest.approx(expected[pos - 1, token].item(), abs=1e-4)
+    assert engine.scheduler.pool.num_free_blocks == engine.runner.num_blocks

@@ -1,0 +1,317 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one `AsyncEngine`.
+
+Contract: a client error is always a 4xx with an OpenAI error object naming the field and the
+limit, and the server keeps serving; 503 with Retry-After when the waiting queue is full; with an
+API key, every route but /health needs `Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.async_engine import AsyncEngine, EngineDeadError
+from serve.engine import InvalidRequest
+from serve.openai_responses import chat_choice, completion_choice
+from serve.openai_serving import (
+    Job,
+    RequestError,
+    TextDeltas,
+    add_all,
+    chat_id,
+    chat_job,
+    collect,
+    completion_id,
+    completion_job,
+    merged,
+    now,
+    sse,
+    usage,
+)
+from serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    """The name clients put in `model`."""
+    api_key: str | None = None
+    """When set, every route but /health needs `Authorization: Bearer <key>`."""
+    max_waiting: int = 256
+    """Most requests queued (not yet running); beyond it, 503 with Retry-After."""
+    max_body_bytes: int = 4 << 20
+    """Larger request bodies get 413."""
+
+
+def _error(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(error_body(message, kind, param, code), status, headers=headers)
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or "body"
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str]:
+    first = exc.errors()[0]
+    field = _field(tuple(first.get("loc", ())))
+    if first["type"] == "json_invalid":
+        return (
+            "body",
+            f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+        )
+    if first["type"] == "extra_forbidden":
+        return field, f"unknown field {field!r}; remove it (see the OpenAI API for the fields)"
+    if first["type"] == "missing":
+        return field, f"missing required field {field!r}"
+    return field, f"{field}: {first['msg']} (got {first.get('input')!r})"
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over the limit (declared or streamed)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and int(declared) > self.limit:
+            return await self._too_large(scope, receive, send)
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = _error(413, f"the request body is over the limit of {self.limit} bytes", "body")
+        await response(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="workbench server", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    tok = engine.engine.tokenizer
+    max_len = engine.engine.scheduler_config.max_model_len
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next: Any) -> Response:
+        needs_key = settings.api_key and request.url.path != "/health"
+        if needs_key and request.headers.get("authorization") != f"Bearer {settings.api_key}":
+            return _error(
+                401,
+                "missing or wrong API key: send Authorization: Bearer <key>",
+                code="invalid_api_key",
+            )
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        field, message = _validation_message(exc)
+        return _error(400, message, field)
+
+    @app.exception_handler(RequestError)
+    async def refused(_: Request, exc: RequestError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(InvalidRequest)
+    async def engine_refused(_: Request, exc: InvalidRequest) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(500, str(exc))
+
+    def admit(model: str, num_requests: int) -> None:
+        if model != settings.model_name:
+            raise RequestError(
+                404,
+                f"model {model!r} does not exist; this server serves "
+                f"{settings.model_name!r} (GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
+        queued = engine.num_unfinished - engine.stats.num_running
+        if queued + num_requests > settings.max_waiting:
+            raise _Busy(settings.max_waiting)
+
+    @app.exception_handler(_Busy)
+    async def busy(_: Request, exc: _Busy) -> JSONResponse:
+        return _error(
+            503,
+            f"the server is at its limit of {exc.limit} waiting requests; retry later",
+            headers={"Retry-After": "1"},
+        )
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok" if engine.dead is None else "engine failed"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": settings.model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "workbench",
+            "root": settings.model_name,
+            "parent": None,
+            "max_model_len": max_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        job = completion_job(body, tok, max_len)
+        admit(body.model, len(job.params))
+        rid = completion_id()
+        tracked = await add_all(engine, rid, job)
+        if body.stream:
+            return _stream(_completion_events(rid, body, job, tracked))
+        outputs = await collect(engine, tracked, request.is_disconnected)
+        choices = [
+            completion_choice(tok, i, o, job.echo, body.logprobs is not None)
+            for i, o in enumerate(outputs)
+        ]
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": now(),
+            "model": body.model,
+            "choices": choices,
+            "usage": usage(outputs, job.prompts),
+        }
+
+    async def _completion_events(
+        rid: str, body: CompletionRequest, job: Job, tracked: list
+    ) -> AsyncIterator[str]:
+        deltas, finals = TextDeltas(job.params[0].stop), {}
+        head = {"id": rid, "object": "text_completion", "created": now(), "model": body.model}
+        async for index, out in merged(engine, tracked):
+            text = deltas.delta(index, out)
+            if job.echo and index not in deltas.sent_prompt:
+                deltas.sent_prompt.add(index)
+                text = tok.decode(out.prompt_token_ids, skip_special_tokens=True) + text
+            if text or out.finished:
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": out.finish_reason,
+                }
+                yield sse({**head, "choices": [choice]})
+            if out.finished:
+                finals[index] = out
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(list(finals.values()), job.prompts)})
+        yield sse("[DONE]")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        job = chat_job(body, tok, max_len)
+        admit(body.model, len(job.params))
+        rid = chat_id()
+        tracked = await add_all(engine, rid, job)
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        if body.stream:
+            return _stream(_chat_events(rid, body, job, tracked))
+        outputs = await collect(engine, tracked, request.is_disconnected)
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": now(),
+            "model": body.model,
+            "choices": [chat_choice(tok, i, o, top_n) for i, o in enumerate(outputs)],
+            "usage": usage(outputs, job.prompts),
+        }
+
+    async def _chat_events(
+        rid: str, body: ChatCompletionRequest, job: Job, tracked: list
+    ) -> AsyncIterator[str]:
+        deltas, finals = TextDeltas(job.params[0].stop), {}
+        head = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": body.model}
+        for i in range(job.n):
+            first = {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "finish_reason": None,
+            }
+            yield sse({**head, "choices": [first]})
+        async for index, out in merged(engine, tracked):
+            text = deltas.delta(index, out)
+            if text:
+                yield sse(
+                    {
+                        **head,
+                        "choices": [
+                            {"index": index, "delta": {"content": text}, "finish_reason": None}
+                        ],
+                    }
+                )
+            if out.finished:
+                finals[index] = out
+                yield sse(
+                    {
+                        **head,
+                        "choices": [
+                            {"index": index, "delta": {}, "finish_reason": out.finish_reason}
+                        ],
+                    }
+                )
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(list(finals.values()), job.prompts)})
+        yield sse("[DONE]")
+
+    return app
+
+
+def _stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+class _Busy(Exception):
+    def __init__(self, limit: int) -> None:
+        self.limit = limit

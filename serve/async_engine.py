@@ -1,0 +1,184 @@
+"""The engine in a background thread, driven from asyncio.
+
+Model: one thread owns the `LLMEngine` and loops: run the commands queued since the last step
+(add, abort), then `step()` if anything is unfinished, else sleep until woken. Coroutines never
+touch the engine: they queue a command and await its future. Each request's outputs are pushed
+to its own `asyncio.Queue` on the event loop. So adds and aborts take effect between steps, and
+a client that goes away has its request aborted (and its blocks freed) before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from serve.engine import LLMEngine, RequestOutput
+from serve.metrics import ServerMetrics
+from serve.sampling_params import SamplingParams
+from serve.stats import EngineStats
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; the server answers 500 and must be restarted."""
+
+
+@dataclass
+class Tracked:
+    """One request as the server sees it: its output queue and timing."""
+
+    request_id: str
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    arrival: float
+    num_prompt_tokens: int
+    last_token_at: float | None = None
+    num_tokens: int = 0
+    finished: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+        self.engine, self.metrics = engine, metrics
+        self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            queue.SimpleQueue()
+        )
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._tracked: dict[str, Tracked] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.stats: EngineStats = engine.stats()
+        self.dead: BaseException | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.metrics.observe_stats(self.stats)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._tracked)
+
+    def _call(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine failed: {self.dead!r}")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._inbox.put((fn, future))
+        self._wake.set()
+        return asyncio.wrap_future(future)
+
+    async def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> Tracked:
+        """Queue a request; raises `InvalidRequest` (from the engine) when it is refused."""
+        tracked = Tracked(request_id, asyncio.Queue(), time.perf_counter(), len(prompt))
+        self._tracked[request_id] = tracked
+        try:
+            await self._call(lambda: self.engine.add_request(request_id, prompt, params))
+        except BaseException:
+            self._tracked.pop(request_id, None)
+            raise
+        return tracked
+
+    async def abort(self, request_id: str) -> None:
+        if self._tracked.pop(request_id, None) is not None and self.dead is None:
+            await self._call(lambda: self.engine.abort(request_id))
+
+    async def stream(self, tracked: Tracked) -> AsyncIterator[RequestOutput]:
+        """Outputs of one added request until it finishes; aborts it if the consumer leaves."""
+        try:
+            while True:
+                item = await tracked.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not tracked.finished:
+                await asyncio.shield(self.abort(tracked.request_id))
+
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> RequestOutput:
+        tracked = await self.add(request_id, prompt, params)
+        last = None
+        async for last in self.stream(tracked):  # noqa: B007
+            pass
+        assert last is not None
+        return last
+
+    # --- the engine thread ---
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # the model itself failed: fail every request, stay up
+                log.exception("engine step failed")
+                self.dead = e
+                self._fail_all(EngineDeadError(f"the engine failed: {e!r}"))
+                return
+            self.stats = self.engine.stats()
+            self.metrics.observe_stats(self.stats)
+            now = time.perf_counter()
+            for out in outputs:
+                self._deliver(out, now)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                fn, future = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(fn())
+            except Exception as e:
+                future.set_exception(e)
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        tracked = self._tracked.get(out.request_id)
+        if tracked is None:  # aborted meanwhile
+            return
+        new_tokens = len(out.token_ids) - tracked.num_tokens
+        if new_tokens > 0:
+            since = now - (tracked.last_token_at or tracked.arrival)
+            self.metrics.observe_token(tracked.last_token_at is None, since, new_tokens)
+            tracked.last_token_at, tracked.num_tokens = now, len(out.token_ids)
+        if out.finished:
+            tracked.finished = True
+            self._tracked.pop(out.request_id, None)
+            self.metrics.observe_finish(
+                out.finish_reason or "abort", tracked.num_prompt_tokens, now - tracked.arrival
+            )
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(tracked.queue.put_nowait, out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        assert self._loop is not None
+        for tracked in list(self._tracked.values()):
+            self._loop.call_soon_threadsafe(tracked.queue.put_nowait, error)
+        while True:
+            try:
+                _, future = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(error)

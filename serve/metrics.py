@@ -1,0 +1,129 @@
+"""Prometheus metrics, named like vLLM's under a `workbench:` prefix, in a registry of their own.
+
+Request-level figures (TTFT, inter-token latency, end-to-end latency, tokens, finish reasons) are
+observed as outputs reach their requests; engine-level gauges and counters are refreshed from the
+engine's stats snapshot after every step.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from serve.stats import EngineStats
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.ttft = Histogram(
+            "workbench:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "workbench:inter_token_latency_seconds",
+            "Time between two output tokens.",
+            labels,
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "workbench:e2e_request_latency_seconds",
+            "Arrival to finish.",
+            labels,
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.running = Gauge(
+            "workbench:num_requests_running", "Requests computing.", labels, registry=r
+        )
+        self.waiting = Gauge(
+            "workbench:num_requests_waiting", "Requests queued.", labels, registry=r
+        )
+        self.kv_usage = Gauge(
+            "workbench:kv_cache_usage_perc", "Used KV blocks / all (0-1).", labels, registry=r
+        )
+        self.blocks_free = Gauge(
+            "workbench:kv_cache_free_blocks", "Free KV blocks.", labels, registry=r
+        )
+        self.blocks_total = Gauge(
+            "workbench:kv_cache_total_blocks", "All KV blocks.", labels, registry=r
+        )
+        self.prefix_queries = Counter(
+            "workbench:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "workbench:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            labels,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "workbench:num_preemptions", "Requests preempted.", labels, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "workbench:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            "workbench:generation_tokens", "Generated tokens.", labels, registry=r
+        )
+        self.finished = Counter(
+            "workbench:request_success",
+            "Finished requests by finish reason.",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        self.model_name = model_name
+        self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0)
+
+    def observe_stats(self, s: EngineStats) -> None:
+        m = self.model_name
+        self.running.labels(m).set(s.num_running)
+        self.waiting.labels(m).set(s.num_waiting)
+        self.kv_usage.labels(m).set(s.kv_usage)
+        self.blocks_free.labels(m).set(s.num_blocks_free)
+        self.blocks_total.labels(m).set(s.num_blocks_used + s.num_blocks_free)
+        self.prefix_queries.labels(m).inc(s.prefix_cache_queries - self._last.prefix_cache_queries)
+        self.prefix_hits.labels(m).inc(s.prefix_cache_hits - self._last.prefix_cache_hits)
+        self.preemptions.labels(m).inc(s.num_preemptions - self._last.num_preemptions)
+        self._last = s
+
+    def observe_token(self, first: bool, seconds: float, num_tokens: int) -> None:
+        (self.ttft if first else self.itl).labels(self.model_name).observe(seconds)
+        self.generation_tokens.labels(self.model_name).inc(num_tokens)
+
+    def observe_finish(self, reason: str, prompt_tokens: int, seconds: float) -> None:
+        self.finished.labels(self.model_name, reason).inc()
+        self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+        self.e2e.labels(self.model_name).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

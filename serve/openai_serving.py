@@ -1,0 +1,215 @@
+"""Completions and chat completions over the async engine: prompts in, OpenAI bodies out.
+
+Model: one HTTP request becomes `len(prompts) * n` engine requests (choice i of prompt p is
+request `{id}-{p}-{i}`). They are all added before anything is returned, so a refused one turns
+into a 400 and the others are aborted. Non-streaming answers wait for all of them (and abort all
+if the client disconnects); streaming answers merge their outputs into one server-sent-event
+stream, holding back text that could still become a stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from serve.async_engine import AsyncEngine, Tracked
+from serve.engine import RequestOutput
+from serve.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from serve.sampling_params import SamplingParams
+
+
+class RequestError(Exception):
+    """A client error detected after parsing: answered with `status` and an OpenAI error body."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one HTTP request asks the engine for."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    """One per choice (prompt-major)."""
+    n: int
+    echo: bool = False
+
+
+def check_lengths(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> None:
+    for p in prompts:
+        if len(p) + max_tokens > max_model_len:
+            raise RequestError(
+                400,
+                f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                f"{len(p)} and max_tokens is {max_tokens} ({len(p) + max_tokens} in all): shorten "
+                "the prompt or lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+
+def completion_job(
+    body: CompletionRequest, tok: PreTrainedTokenizerBase, max_model_len: int
+) -> Job:
+    prompts = [tok(p).input_ids if isinstance(p, str) else list(p) for p in body.prompts()]
+    if any(not p for p in prompts):
+        raise RequestError(400, "a prompt tokenizes to no tokens; send text or token ids", "prompt")
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    check_lengths(prompts, max_tokens, max_model_len)
+    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    params = [
+        body.sampling_params(max_tokens, i, body.logprobs, prompt_logprobs)
+        for _ in prompts
+        for i in range(body.n)
+    ]
+    return Job(prompts, params, body.n, body.echo)
+
+
+def chat_job(body: ChatCompletionRequest, tok: PreTrainedTokenizerBase, max_model_len: int) -> Job:
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    except Exception as e:  # a template that rejects the conversation (e.g. role order)
+        raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from e
+    if prompt and isinstance(prompt[0], list):  # some tokenizers return a batch
+        prompt = prompt[0]
+    requested = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+    max_tokens = max_model_len - len(prompt) if requested is None else requested
+    check_lengths([prompt], max(max_tokens, 0), max_model_len)
+    top = body.top_logprobs or 0 if body.logprobs else None
+    return Job([prompt], [body.sampling_params(max_tokens, i, top) for i in range(body.n)], body.n)
+
+
+async def add_all(engine: AsyncEngine, base_id: str, job: Job) -> list[Tracked]:
+    """Add every choice; if one is refused, abort those already added and re-raise."""
+    added: list[Tracked] = []
+    try:
+        for p, prompt in enumerate(job.prompts):
+            for i in range(job.n):
+                added.append(
+                    await engine.add(f"{base_id}-{p}-{i}", prompt, job.params[p * job.n + i])
+                )
+    except BaseException:
+        for t in added:
+            await engine.abort(t.request_id)
+        raise
+    return added
+
+
+async def collect(
+    engine: AsyncEngine, tracked: list[Tracked], disconnected: Callable
+) -> list[RequestOutput]:
+    """Final outputs of all choices; aborts all of them if the client goes away first."""
+
+    async def final(t: Tracked) -> RequestOutput:
+        last = None
+        async for last in engine.stream(t):  # noqa: B007
+            pass
+        assert last is not None
+        return last
+
+    tasks = [asyncio.ensure_future(final(t)) for t in tracked]
+    gathered = asyncio.ensure_future(asyncio.gather(*tasks))
+    while not gathered.done():
+        await asyncio.wait({gathered}, timeout=0.25)
+        if not gathered.done() and await disconnected():
+            gathered.cancel()
+            for t in tracked:
+                await engine.abort(t.request_id)
+            raise asyncio.CancelledError("client disconnected")
+    return gathered.result()
+
+
+async def merged(
+    engine: AsyncEngine, tracked: list[Tracked]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from all choices as they come; aborts the rest if closed early."""
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, t: Tracked) -> None:
+        try:
+            async for out in engine.stream(t):
+                queue.put_nowait((index, out))
+        except Exception as e:
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(i, t)) for i, t in enumerate(tracked)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for t in tracked:
+            if not t.finished:
+                await asyncio.shield(engine.abort(t.request_id))
+
+
+def usage(outputs: list[RequestOutput], prompts: list[list[int]]) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class TextDeltas:
+    """Streamed text per choice, holding back a tail that could still start a stop string."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent: dict[int, int] = {}
+        self.sent_prompt: set[int] = set()
+        """Choices whose echoed prompt has been sent."""
+
+    def delta(self, index: int, out: RequestOutput) -> str:
+        upto = len(out.text) if out.finished else max(0, len(out.text) - self.hold)
+        start = self.sent.get(index, 0)
+        self.sent[index] = max(start, upto)
+        return out.text[start:upto]
+
+
+def completion_id() -> str:
+    return new_id("cmpl")
+
+
+def chat_id() -> str:
+    return new_id("chatcmpl")
+
+
+__all__ = [
+    "Job",
+    "RequestError",
+    "add_all",
+    "chat_job",
+    "collect",
+    "completion_job",
+    "merged",
+    "now",
+    "sse",
+    "usage",
+]

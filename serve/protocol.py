@@ -1,0 +1,144 @@
+"""OpenAI-compatible request and response bodies (pydantic), as the official client sends them.
+
+Unknown fields are refused (`extra="forbid"`), so a typo never silently changes a request.
+Fields OpenAI defines but this server does not implement are accepted only at their neutral value.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from serve.sampling_params import SamplingParams
+
+MAX_N = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=1)] | None = None
+    """An extension (as in vLLM): keep the k most likely tokens."""
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    """An extension (as in vLLM)."""
+    user: str | None = None
+    presence_penalty: Literal[0, 0.0] = 0
+    frequency_penalty: Literal[0, 0.0] = 0
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if len(stops) > 4:
+            raise ValueError(f"at most 4 stop strings, got {len(stops)}")
+        return stops
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        index: int,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """Choice `index` of `n`: a seeded request gets seed + index, so choices differ."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=None if self.seed is None else self.seed + index,
+            stop=tuple(self.stop or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool = False
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if (
+            value == ""
+            or value == []
+            or (isinstance(value, list) and any(p in ("", []) for p in value))
+        ):
+            raise ValueError("the prompt is empty; send at least one character or token id")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
+
+    @model_validator(mode="after")
+    def _one_max(self) -> ChatCompletionRequest:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        return self
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """The OpenAI error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

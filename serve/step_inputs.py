@@ -1,0 +1,99 @@
+"""Flatten a `SchedulerOutput` into the tensors of one forward pass.
+
+Model: chunk i occupies rows [r_i, r_i + n_i) of one flat row of tokens. Logits are kept only at
+the rows someone needs: the last row of a chunk that samples, and every row of a chunk whose
+request asked for prompt logprobs. `sample_rows` and `prompt_rows` index into those kept logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from serve.attention import AttentionBackend, AttentionMetadata, SequenceSlice
+from serve.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor
+    """Flat rows whose logits are computed."""
+    sample_rows: dict[str, int]
+    """request id -> index (into the kept logits) of the row it samples from."""
+    prompt_rows: dict[str, tuple[int, int]]
+    """request id -> (first index into the kept logits, count) for prompt logprobs."""
+
+
+def _logits_rows(
+    out: SchedulerOutput,
+) -> tuple[list[int], dict[str, int], dict[str, tuple[int, int]]]:
+    rows: list[int] = []
+    sample_rows: dict[str, int] = {}
+    prompt_rows: dict[str, tuple[int, int]] = {}
+    start = 0
+    for chunk in out.chunks:
+        n = len(chunk.token_ids)
+        if chunk.prompt_logprobs:
+            prompt_rows[chunk.request_id] = (len(rows), n)
+            rows.extend(range(start, start + n))
+            if chunk.sample:
+                sample_rows[chunk.request_id] = len(rows) - 1
+        elif chunk.sample:
+            sample_rows[chunk.request_id] = len(rows)
+            rows.append(start + n - 1)
+        start += n
+    return rows, sample_rows, prompt_rows
+
+
+def build_step_inputs(
+    out: SchedulerOutput,
+    block_size: int,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    backend: AttentionBackend,
+    device: torch.device,
+) -> StepInputs:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    prefills, decode_rows, decode_tables, decode_lens = [], [], [], []
+    for chunk in out.chunks:
+        start, n, table = chunk.start_pos, len(chunk.token_ids), chunk.block_ids
+        row = len(ids)
+        ids.extend(chunk.token_ids)
+        positions.extend(range(start, start + n))
+        slots.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(start, start + n)
+        )
+        if n == 1:
+            decode_rows.append(row)
+            decode_tables.append(table)
+            decode_lens.append(start + 1)
+        else:
+            block_ids = torch.tensor(table, dtype=torch.long, device=device)
+            prefills.append(SequenceSlice(row, row + n, start + n, block_ids))
+
+    def as_long(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    width = max((len(t) for t in decode_tables), default=0)
+    tables = as_long([t + [0] * (width - len(t)) for t in decode_tables]).view(
+        len(decode_tables), width
+    )
+    mask = torch.arange(width * block_size, device=device)[None, :] < as_long(decode_lens)[:, None]
+    meta = AttentionMetadata(
+        kv_caches=kv_caches,
+        slot_mapping=as_long(slots),
+        prefills=prefills,
+        decode_rows=as_long(decode_rows),
+        decode_block_tables=tables,
+        decode_mask=mask[:, None, None, :],
+        backend=backend,
+    )
+    rows, sample_rows, prompt_rows = _logits_rows(out)
+    return StepInputs(
+        as_long(ids), as_long(positions), meta, as_long(rows), sample_rows, prompt_rows
+    )
