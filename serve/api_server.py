@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.async_engine import AsyncEngine, EngineDeadError
@@ -82,39 +83,48 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str]:
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for a body over the limit (declared or streamed)."""
+    """ASGI middleware: 413 for a body over the limit, declared or streamed (chunked). The body is
+    read here, up to the limit, and replayed to the app."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and int(declared) > self.limit:
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._too_large(scope, receive, send)
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge
-            return message
-
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._too_large(scope, receive, send)
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message]), send)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], receive), send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = _error(413, f"the request body is over the limit of {self.limit} bytes", "body")
         await response(scope, receive, send)
 
 
-class _TooLarge(Exception):
-    pass
+def _replay(messages: list[Message], then: Receive | None = None) -> Receive:
+    """A receive() that returns `messages` first, then defers to `then` (disconnect events)."""
+
+    async def receive() -> Message:
+        if messages:
+            return messages.pop(0)
+        if then is None:
+            return {"type": "http.disconnect"}
+        return await then()
+
+    return receive
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -144,6 +154,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         field, message = _validation_message(exc)
         return _error(400, message, field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(RequestError)
     async def refused(_: Request, exc: RequestError) -> JSONResponse:

@@ -30,6 +30,7 @@ class Completion:
     usage: Usage
     logprobs: list[dict[int, float]]
     num_cached_tokens: int
+    prompt_logprobs: list[dict[int, float] | None]
 
 
 class LLM:
@@ -91,4 +92,5 @@ class LLM:
             usage=Usage(len(out.prompt_token_ids), len(out.token_ids)),
             logprobs=out.logprobs,
             num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=out.prompt_logprobs,
         )

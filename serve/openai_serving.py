@@ -77,11 +77,10 @@ def completion_job(
 def chat_job(body: ChatCompletionRequest, tok: PreTrainedTokenizerBase, max_model_len: int) -> Job:
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
-        prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from e
-    if prompt and isinstance(prompt[0], list):  # some tokenizers return a batch
-        prompt = prompt[0]
+    prompt = tok(text, add_special_tokens=False).input_ids  # the template places bos itself
     requested = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
     max_tokens = max_model_len - len(prompt) if requested is None else requested
     check_lengths([prompt], max(max_tokens, 0), max_model_len)
@@ -178,7 +177,8 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 
 class TextDeltas:
-    """Streamed text per choice, holding back a tail that could still start a stop string."""
+    """Streamed text per choice, holding back a tail that could still start a stop string or
+    that ends in an incomplete multi-byte character."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.hold = max((len(s) for s in stops), default=1) - 1
@@ -187,7 +187,10 @@ class TextDeltas:
         """Choices whose echoed prompt has been sent."""
 
     def delta(self, index: int, out: RequestOutput) -> str:
-        upto = len(out.text) if out.finished else max(0, len(out.text) - self.hold)
+        text = out.text
+        if not out.finished:  # a trailing U+FFFD is a multi-byte character not complete yet
+            text = text.rstrip("\ufffd")
+        upto = len(text) if out.finished else max(0, len(text) - self.hold)
         start = self.sent.get(index, 0)
         self.sent[index] = max(start, upto)
         return out.text[start:upto]

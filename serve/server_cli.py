@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 from pathlib import Path
 
 import torch
@@ -162,5 +163,8 @@ def run_server(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.grace_period,
         log_level="info",
     )
+    # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully; with this no-op
+    # handler in place the process then exits 0, as a finished graceful shutdown should.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.Server(config).run()
     return 0

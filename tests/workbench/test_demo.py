@@ -95,7 +95,7 @@ def test_tiny_model_loads_with_no_network(tiny_model_dir: Path) -> None:
         env=env, capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     assert result.stdout.split()[:4] == ["LlamaForCausalLM", "2", "4", "8"]
-    assert "<|user|>\\nhi<|eos|>\\n<|assistant|>\\n" in result.stdout
+    assert "'<|bos|><|user|>\\nhi<|eos|>\\n<|assistant|>\\n'" in result.stdout
 
 
 @pytest.mark.slow

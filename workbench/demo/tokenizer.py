@@ -15,6 +15,7 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 ROLES = ("system", "user", "assistant")
 SPECIAL_TOKENS = [PAD, BOS, EOS, *(f"<|{r}|>" for r in ROLES)]
 CHAT_TEMPLATE = (
+    "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|eos|>\n' }}"
     "{% endfor %}"

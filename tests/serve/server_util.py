@@ -1,0 +1,109 @@
+"""Run the real server (uvicorn) on 127.0.0.1 and a free port, in a thread or a subprocess."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from serve.api_server import ServerSettings, build_app
+from serve.async_engine import AsyncEngine
+from serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.engine import LLMEngine
+from serve.metrics import ServerMetrics
+
+
+@dataclass
+class ThreadServer:
+    url: str
+    engine: AsyncEngine
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def start_thread_server(
+    model_dir: Path,
+    name: str = "test-model",
+    num_blocks: int = 1024,
+    max_num_seqs: int = 64,
+    max_model_len: int = 512,
+    **settings: object,
+) -> ThreadServer:
+    engine = LLMEngine(
+        ModelConfig(str(model_dir), dtype="float32", device="cpu"),
+        CacheConfig(block_size=16, num_blocks=num_blocks),
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=max_model_len
+        ),
+    )
+    async_engine = AsyncEngine(engine, ServerMetrics(name))
+    app = build_app(async_engine, ServerSettings(name, **settings))  # type: ignore[arg-type]
+    sock = free_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    wait_healthy(url)
+    return ThreadServer(url, async_engine, server, thread)
+
+
+def wait_healthy(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not become healthy")
+
+
+def start_subprocess_server(
+    model_dir: Path, log: Path, *flags: str
+) -> tuple[subprocess.Popen, str]:
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    cmd = [
+        sys.executable,
+        "-m",
+        "workbench.cli",
+        "serve",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "test-model",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        *flags,
+    ]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=os.environ, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc=proc)
+    return proc, url

@@ -1,0 +1,524 @@
+"""The HTTP server, for real: uvicorn on 127.0.0.1, the `openai` client, httpx, prometheus."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve import LLM, SamplingParams
+from tests.serve.conftest import Case
+from tests.serve.server_util import ThreadServer, start_thread_server
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs: dict[str, Path]) -> Iterator[ThreadServer]:
+    s = start_thread_server(model_dirs["llama"], max_waiting=1000)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dirs: dict[str, Path]) -> LLM:
+    return LLM(model_dirs["llama"], device="cpu", dtype="float32", num_blocks=1024)
+
+
+@pytest.fixture(scope="module")
+def client(server: ThreadServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + (
+                f"[{sample.labels['finished_reason']}]"
+                if "finished_reason" in sample.labels
+                else ""
+            )
+            out[key] = sample.value
+    return out
+
+
+def test_completion_matches_the_offline_engine(
+    client: openai.OpenAI, offline: LLM, cases: list[Case]
+) -> None:
+    prompt = cases[3].prompt
+    resp = client.completions.create(
+        model="test-model", prompt=prompt, max_tokens=20, temperature=0
+    )
+    expected = offline.generate([prompt], SamplingParams(max_tokens=20, temperature=0))[0]
+    assert resp.choices[0].text == expected.text
+    assert resp.usage.prompt_tokens == len(prompt) and resp.usage.completion_tokens == len(
+        expected.token_ids
+    )
+    seeded = client.completions.create(
+        model="test-model", prompt=prompt, max_tokens=20, temperature=0.9, seed=7
+    )
+    expected = offline.generate([prompt], SamplingParams(max_tokens=20, temperature=0.9, seed=7))[0]
+    assert seeded.choices[0].text == expected.text
+
+
+def test_streamed_completion_equals_whole(client: openai.OpenAI, cases: list[Case]) -> None:
+    prompt = cases[5].prompt
+    whole = client.completions.create(
+        model="test-model", prompt=prompt, max_tokens=24, temperature=0
+    )
+    stream = client.completions.create(
+        model="test-model",
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[
+        0
+    ].finish_reason
+
+
+def test_chat_matches_the_offline_engine_streamed_or_not(
+    client: openai.OpenAI, offline: LLM, model_dirs: dict[str, Path]
+) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a module."},
+    ]
+    resp = client.chat.completions.create(
+        model="test-model", messages=messages, max_tokens=16, temperature=0
+    )
+    tok = offline.engine.tokenizer
+    ids = tok(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    ).input_ids
+    expected = offline.generate([ids], SamplingParams(max_tokens=16, temperature=0))[0]
+    assert (
+        resp.choices[0].message.content == expected.text
+        and resp.choices[0].message.role == "assistant"
+    )
+    assert resp.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(
+        model="test-model", messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+
+
+def test_n_choices_and_stop_strings(client: openai.OpenAI, cases: list[Case]) -> None:
+    prompt = cases[8].prompt
+    resp = client.completions.create(
+        model="test-model", prompt=prompt, max_tokens=12, n=3, temperature=1.0, seed=3
+    )
+    assert [c.index for c in resp.choices] == [0, 1, 2] and resp.usage.completion_tokens == 36
+    assert len({c.text for c in resp.choices}) > 1
+    free = (
+        client.completions.create(model="test-model", prompt=prompt, max_tokens=30, temperature=0)
+        .choices[0]
+        .text
+    )
+    stop = free[8:11]
+    for stream in (False, True):
+        r = client.completions.create(
+            model="test-model",
+            prompt=prompt,
+            max_tokens=30,
+            temperature=0,
+            stop=[stop],
+            stream=stream,
+        )
+        text = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+        assert text == free[: free.find(stop)]
+
+
+def test_echo_logprobs_with_zero_max_tokens(
+    server: ThreadServer, offline: LLM, cases: list[Case]
+) -> None:
+    """What lm-eval's local-completions sends for loglikelihood requests."""
+    prompt = cases[9].prompt[:40]
+    body = {
+        "model": "test-model",
+        "prompt": prompt,
+        "max_tokens": 0,
+        "echo": True,
+        "logprobs": 1,
+        "temperature": 0,
+    }
+    choice = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    expected = offline.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
+    lp = choice["logprobs"]
+    assert choice["text"] == offline.engine.tokenizer.decode(prompt, skip_special_tokens=True)
+    assert len(lp["tokens"]) == len(prompt) and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == [
+        expected.prompt_logprobs[i][t] for i, t in enumerate(prompt) if i
+    ]
+    assert all(1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+
+BAD = [
+    ("malformed JSON", b'{"model": "test-model", "prompt": "a",', 400, "not valid JSON"),
+    ("body is a list", [1, 2], 400, "valid dictionary"),
+    ("missing prompt", {"model": "test-model"}, 400, "missing required field 'prompt'"),
+    (
+        "unknown field",
+        {"model": "test-model", "prompt": "a", "colour": 1},
+        400,
+        "unknown field 'colour'",
+    ),
+    ("wrong type", {"model": "test-model", "prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("empty prompt", {"model": "test-model", "prompt": ""}, 400, "prompt is empty"),
+    (
+        "negative max_tokens",
+        {"model": "test-model", "prompt": "a", "max_tokens": -1},
+        400,
+        "greater than or equal to 0",
+    ),
+    (
+        "huge max_tokens",
+        {"model": "test-model", "prompt": "a", "max_tokens": 10**9},
+        400,
+        "maximum context length is 512",
+    ),
+    (
+        "prompt + max_tokens too long",
+        {"model": "test-model", "prompt": list(range(6, 506)), "max_tokens": 20},
+        400,
+        "500 and max_tokens is 20",
+    ),
+    (
+        "n zero",
+        {"model": "test-model", "prompt": "a", "n": 0},
+        400,
+        "n: Input should be greater than or equal to 1",
+    ),
+    (
+        "n too large",
+        {"model": "test-model", "prompt": "a", "n": 99},
+        400,
+        "less than or equal to 16",
+    ),
+    ("top_p zero", {"model": "test-model", "prompt": "a", "top_p": 0}, 400, "top_p"),
+    (
+        "temperature negative",
+        {"model": "test-model", "prompt": "a", "temperature": -0.5},
+        400,
+        "temperature",
+    ),
+    (
+        "temperature too high",
+        {"model": "test-model", "prompt": "a", "temperature": 9},
+        400,
+        "less than or equal to 2",
+    ),
+    ("unknown model", {"model": "gpt-5", "prompt": "a"}, 404, "model 'gpt-5' does not exist"),
+    (
+        "token id outside vocab",
+        {"model": "test-model", "prompt": [5, 10**6]},
+        400,
+        "outside the vocabulary",
+    ),
+    (
+        "too many stop strings",
+        {"model": "test-model", "prompt": "a", "stop": list("abcde")},
+        400,
+        "at most 4 stop strings",
+    ),
+    ("logprobs over 5", {"model": "test-model", "prompt": "a", "logprobs": 9}, 400, "logprobs"),
+    (
+        "unsupported penalty",
+        {"model": "test-model", "prompt": "a", "presence_penalty": 0.5},
+        400,
+        "presence_penalty",
+    ),
+    ("oversized body", {"model": "test-model", "prompt": "x" * (5 << 20)}, 413, "over the limit"),
+]
+BAD_CHAT = [
+    ("no messages", {"model": "test-model", "messages": []}, 400, "at least 1 item"),
+    (
+        "bad role",
+        {"model": "test-model", "messages": [{"role": "robot", "content": "hi"}]},
+        400,
+        "role",
+    ),
+    (
+        "both max fields",
+        {
+            "model": "test-model",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "max_completion_tokens": 2,
+        },
+        400,
+        "not both",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", BAD + BAD_CHAT, ids=[c[0] for c in BAD + BAD_CHAT])
+def test_bad_request_gets_4xx_and_server_keeps_serving(server: ThreadServer, case: tuple) -> None:
+    _, body, status, words = case
+    path = "/v1/chat/completions" if case in BAD_CHAT else "/v1/completions"
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(
+        f"{server.url}{path}", headers={"content-type": "application/json"}, timeout=60, **kwargs
+    )
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert words in error["message"] and error["type"] == "invalid_request_error"
+    good = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": "test-model", "prompt": "a", "max_tokens": 2},
+        timeout=60,
+    )
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+    assert (
+        server.engine.engine.scheduler.pool.num_free_blocks
+        == server.engine.engine.runner.num_blocks
+    )
+
+
+def test_models_health_and_metrics_endpoints(server: ThreadServer) -> None:
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["test-model"]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    names = {
+        f.name for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+    }
+    assert {
+        "workbench:time_to_first_token_seconds",
+        "workbench:inter_token_latency_seconds",
+        "workbench:e2e_request_latency_seconds",
+        "workbench:num_requests_running",
+        "workbench:num_requests_waiting",
+        "workbench:kv_cache_usage_perc",
+        "workbench:prefix_cache_queries",
+        "workbench:prefix_cache_hits",
+        "workbench:num_preemptions",
+        "workbench:prompt_tokens",
+        "workbench:generation_tokens",
+        "workbench:request_success",
+    } <= names
+
+
+def test_metrics_counters_agree_with_what_was_sent(server: ThreadServer, cases: list[Case]) -> None:
+    before = metrics(server.url)
+    prompts = [c.prompt[:30] for c in cases[10:16]]
+    completion_tokens = 0
+    for p in prompts:
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json={
+                "model": "test-model",
+                "prompt": p,
+                "max_tokens": 7,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            timeout=60,
+        )
+        completion_tokens += r.json()["usage"]["completion_tokens"]
+    after = metrics(server.url)
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert delta["workbench:request_success_total[length]"] == 6
+    assert delta["workbench:prompt_tokens_total"] == sum(map(len, prompts))
+    assert delta["workbench:generation_tokens_total"] == completion_tokens == 42
+    assert delta["workbench:time_to_first_token_seconds_count"] == 6
+    assert delta["workbench:inter_token_latency_seconds_count"] == 36
+    assert delta["workbench:e2e_request_latency_seconds_count"] == 6
+    assert after["workbench:num_requests_running"] == 0
+
+
+async def _stream_one(
+    client: httpx.AsyncClient, url: str, prompt: list[int], cancel_after: int | None
+) -> str | None:
+    body = {
+        "model": "test-model",
+        "prompt": prompt,
+        "max_tokens": 24,
+        "temperature": 0,
+        "stream": True,
+    }
+    text, events = "", 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return text
+            text += json.loads(line[6:])["choices"][0]["text"]
+            events += 1
+            if cancel_after is not None and events >= cancel_after:
+                return None  # leaving the block closes the connection mid-stream
+    raise AssertionError("stream ended without [DONE]")
+
+
+def test_200_concurrent_streams_50_cancelled(
+    server: ThreadServer, offline: LLM, cases: list[Case]
+) -> None:
+    prompts = [cases[i % 32].prompt[: 20 + i % 40] for i in range(200)]
+    cancelled = set(range(0, 200, 4))
+
+    async def run_all() -> list[str | None]:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            return await asyncio.gather(
+                *(
+                    _stream_one(client, server.url, p, 3 if i in cancelled else None)
+                    for i, p in enumerate(prompts)
+                )
+            )
+
+    results = asyncio.run(run_all())
+    expected = offline.generate(
+        [prompts[i] for i in range(200) if i not in cancelled],
+        SamplingParams(max_tokens=24, temperature=0),
+    )
+    got = [results[i] for i in range(200) if i not in cancelled]
+    assert got == [e.text for e in expected]
+    engine = server.engine.engine
+    for _ in range(100):  # aborts land between engine steps
+        m = metrics(server.url)
+        if (
+            m["workbench:num_requests_running"] == 0
+            and m["workbench:kv_cache_free_blocks"] == m["workbench:kv_cache_total_blocks"]
+        ):
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert m["workbench:num_requests_running"] == 0 and m["workbench:num_requests_waiting"] == 0
+    assert (
+        m["workbench:kv_cache_free_blocks"]
+        == m["workbench:kv_cache_total_blocks"]
+        == engine.runner.num_blocks
+    )
+
+
+def test_client_disconnect_aborts_a_non_streaming_request(
+    server: ThreadServer, cases: list[Case]
+) -> None:
+    body = {
+        "model": "test-model",
+        "prompt": cases[2].prompt[:50],
+        "max_tokens": 400,
+        "ignore_eos": True,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    engine = server.engine.engine
+    for _ in range(200):
+        if server.engine.num_unfinished == 0:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert server.engine.num_unfinished == 0
+    assert engine.scheduler.pool.num_free_blocks == engine.runner.num_blocks
+
+
+def test_api_key_guards_every_route_but_health(model_dirs: dict[str, Path]) -> None:
+    s = start_thread_server(model_dirs["llama"], api_key="sekret")
+    try:
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            r = httpx.get(f"{s.url}{path}")
+            assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sekret", max_retries=0)
+        assert (
+            client.completions.create(
+                model="test-model", prompt="a", max_tokens=2
+            ).usage.completion_tokens
+            >= 1
+        )
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        s.stop()
+
+
+def test_full_waiting_queue_answers_503_with_retry_after(
+    model_dirs: dict[str, Path], cases: list[Case]
+) -> None:
+    s = start_thread_server(model_dirs["llama"], max_num_seqs=1, max_waiting=2)
+    body = {
+        "model": "test-model",
+        "prompt": cases[1].prompt[:20],
+        "max_tokens": 200,
+        "ignore_eos": True,
+    }
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(
+                *(client.post(f"{s.url}/v1/completions", json=body) for _ in range(6))
+            )
+
+    try:
+        statuses = [r.status_code for r in asyncio.run(burst())]
+        busy = [r for r in asyncio.run(burst()) if r.status_code == 503]
+        assert statuses.count(200) >= 2 and 503 in statuses
+        assert all(
+            r.headers["retry-after"] == "1" and "waiting requests" in r.json()["error"]["message"]
+            for r in busy
+        )
+    finally:
+        s.stop()
+
+
+def test_sigterm_lets_running_requests_finish(
+    model_dirs: dict[str, Path], cases: list[Case], tmp_path: Path
+) -> None:
+    import signal
+
+    from tests.serve.server_util import start_subprocess_server
+
+    proc, url = start_subprocess_server(
+        model_dirs["llama"], tmp_path / "server.log", "--grace-period", "60"
+    )
+    body = {
+        "model": "test-model",
+        "max_tokens": 150,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+
+            async def one(i: int) -> int:
+                events, tokens = 0, 0
+                json_body = {**body, "prompt": cases[i].prompt[:30]}
+                async with client.stream("POST", f"{url}/v1/completions", json=json_body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            events += 1
+                            if events == 5 and i == 0:
+                                proc.send_signal(signal.SIGTERM)
+                            if usage := json.loads(line[6:]).get("usage"):
+                                tokens = usage["completion_tokens"]
+                return tokens
+
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+    try:
+        counts = asyncio.run(run())
+        assert proc.wait(timeout=90) == 0, (tmp_path / "server.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert counts == [150] * 8, "a running request was cut off by the shutdown"
+    assert "Shutting down" in (tmp_path / "server.log").read_text()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=2)
