@@ -35,6 +35,18 @@ class SequenceSlice:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Sequences computing exactly one token, of similar lengths, attended in one batched call."""
+
+    rows: torch.Tensor
+    """[S_g]: flat row of each sequence's query."""
+    block_tables: torch.Tensor
+    """[S_g, max_blocks]: their blocks, padded with block 0."""
+    mask: torch.Tensor
+    """[S_g, 1, 1, max_blocks * block_size]: True where a gathered slot is in context."""
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     """Per layer: K and V, each [num_blocks, block_size, kv_heads, head_dim]."""
@@ -42,12 +54,8 @@ class AttentionMetadata:
     """[T]: flat cache slot (block_id * block_size + offset) of each new token."""
     prefills: list[SequenceSlice]
     """Sequences computing more than one token this step."""
-    decode_rows: torch.Tensor
-    """[S_d]: flat row of each sequence computing exactly one token."""
-    decode_block_tables: torch.Tensor
-    """[S_d, max_blocks]: their blocks, padded with block 0."""
-    decode_mask: torch.Tensor
-    """[S_d, 1, 1, max_blocks * block_size]: True where a gathered slot is in context."""
+    decodes: list[DecodeGroup]
+    """Sequences computing one token, grouped by length so that padding stays small."""
     backend: AttentionBackend
 
 
@@ -86,14 +94,14 @@ def _gather_batch(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
 class SDPABackend:
     def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
         out = torch.empty_like(q)
-        if len(meta.decode_rows):
-            k = _gather_batch(k_cache, meta.decode_block_tables)
-            v = _gather_batch(v_cache, meta.decode_block_tables)
-            qd = q[meta.decode_rows].unsqueeze(2)
+        for g in meta.decodes:
+            k = _gather_batch(k_cache, g.block_tables)
+            v = _gather_batch(v_cache, g.block_tables)
+            qd = q[g.rows].unsqueeze(2)
             o = F.scaled_dot_product_attention(
-                qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+                qd, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True
             )
-            out[meta.decode_rows] = o.squeeze(2)
+            out[g.rows] = o.squeeze(2)
         for s in meta.prefills:
             k = _gather(k_cache, s.block_ids, s.seq_len).transpose(0, 1)
             v = _gather(v_cache, s.block_ids, s.seq_len).transpose(0, 1)
@@ -112,7 +120,8 @@ class ReferenceBackend:
         out = torch.empty_like(q)
         decodes = [
             SequenceSlice(int(r), int(r) + 1, int(m.sum()), bt)
-            for r, m, bt in zip(meta.decode_rows, meta.decode_mask, meta.decode_block_tables)
+            for g in meta.decodes
+            for r, m, bt in zip(g.rows, g.mask, g.block_tables)
         ]
         group = q.shape[1] // k_cache.shape[2]
         for s in [*meta.prefills, *decodes]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serve.attention import AttentionBackend, AttentionMetadata, SequenceSlice
+from serve.attention import AttentionBackend, AttentionMetadata, DecodeGroup, SequenceSlice
 from serve.scheduler import SchedulerOutput
 
 
@@ -49,6 +49,31 @@ def _logits_rows(
     return rows, sample_rows, prompt_rows
 
 
+DECODE_GROUP_SIZE = 16
+"""Decoding sequences per batched attention call. Sorting by length and padding each group only
+to its own longest sequence cut decode attention time ~3x on the CPU (64 sequences of 50-760
+tokens: one padded call 7.4 ms, groups of 16 2.4 ms, one call per sequence 13 ms)."""
+
+
+def _decode_groups(
+    rows: list[int], tables: list[list[int]], lens: list[int], block_size: int, device: torch.device
+) -> list[DecodeGroup]:
+    order = sorted(range(len(rows)), key=lambda i: lens[i])
+    groups = []
+    for start in range(0, len(order), DECODE_GROUP_SIZE):
+        members = order[start : start + DECODE_GROUP_SIZE]
+        width = max(len(tables[i]) for i in members)
+        padded = [tables[i] + [0] * (width - len(tables[i])) for i in members]
+        seq_lens = torch.tensor([lens[i] for i in members], device=device)
+        mask = torch.arange(width * block_size, device=device)[None, :] < seq_lens[:, None]
+        groups.append(DecodeGroup(
+            rows=torch.tensor([rows[i] for i in members], dtype=torch.long, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+            mask=mask[:, None, None, :],
+        ))  # fmt: skip
+    return groups
+
+
 def build_step_inputs(
     out: SchedulerOutput,
     block_size: int,
@@ -79,18 +104,11 @@ def build_step_inputs(
     def as_long(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
-    width = max((len(t) for t in decode_tables), default=0)
-    tables = as_long([t + [0] * (width - len(t)) for t in decode_tables]).view(
-        len(decode_tables), width
-    )
-    mask = torch.arange(width * block_size, device=device)[None, :] < as_long(decode_lens)[:, None]
     meta = AttentionMetadata(
         kv_caches=kv_caches,
         slot_mapping=as_long(slots),
         prefills=prefills,
-        decode_rows=as_long(decode_rows),
-        decode_block_tables=tables,
-        decode_mask=mask[:, None, None, :],
+        decodes=_decode_groups(decode_rows, decode_tables, decode_lens, block_size, device),
         backend=backend,
     )
     rows, sample_rows, prompt_rows = _logits_rows(out)
