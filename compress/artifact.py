@@ -33,6 +33,10 @@ class Artifact:
     kind: ArtifactKind = "model"
     info: dict[str, Any] = field(default_factory=dict)
     """What the step that made it wants recorded in the manifest (training stats, ...)."""
+    base: Path | None = None
+    """For an adapter: the model artifact it was trained on (its parent)."""
+    quantization: str | None = None
+    """For a model: the quantization method its weights carry, if any."""
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
@@ -40,6 +44,19 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
         return json.loads((path / MANIFEST).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+def artifact_from_manifest(path: Path) -> Artifact:
+    """The artifact a complete directory holds, as its manifest describes it."""
+    m = read_manifest(path) or {}
+    base = m.get("parent", {}).get("path") if m.get("kind") == "adapter" else None
+    return Artifact(
+        path,
+        m.get("kind", "model"),
+        m.get("info", {}),
+        Path(base) if base else None,
+        m.get("quantization"),
+    )
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
@@ -111,3 +128,16 @@ def link_or_copy_tree(src: Path, dst: Path, skip: tuple[str, ...] = (MANIFEST,))
             os.link(item, target)
         except OSError:
             shutil.copy2(item, target)
+
+
+_MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", MANIFEST)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """Copy what is neither weights nor model config (tokenizer, chat template, ...) to `dst`."""
+    for item in sorted(src.iterdir()):
+        skipped = item.name in _MODEL_FILES or item.name.endswith(_WEIGHT_SUFFIXES)
+        hidden = item.name.startswith(".") or item.name == "demo_build.json"
+        if item.is_file() and not skipped and not hidden:
+            shutil.copy2(item, dst / item.name)

@@ -13,7 +13,10 @@ from compress.registry import Step, StepContext, register
 @register
 class Identity(Step):
     name = "identity"
+    accepts = ("model", "adapter")
 
     def apply(self, artifact: Artifact, ctx: StepContext) -> Artifact:
         link_or_copy_tree(artifact.path, ctx.out_dir)
-        return Artifact(ctx.out_dir, artifact.kind)
+        return Artifact(
+            ctx.out_dir, artifact.kind, base=artifact.base, quantization=artifact.quantization
+        )

@@ -29,6 +29,13 @@ class StepContext:
     """Empty dir to write the output artifact into."""
     seed: int = 0
     device: str = "cpu"
+    checkpoint_dir: Path | None = None
+    """A dir that survives an interrupted run (for training checkpoints); the pipeline deletes
+    it once the step's artifact is complete."""
+
+
+class StepError(ValueError):
+    """A step cannot run with these params on this input; the message names the fix."""
 
 
 class Step:
@@ -37,6 +44,18 @@ class Step:
 
     def __init__(self, params: StepParams) -> None:
         self.params = params
+
+    accepts: ClassVar[tuple[str, ...]] = ("model",)
+    """Artifact kinds this step can take as input."""
+
+    def check(self, artifact: Artifact | None, module_names: list[str]) -> None:
+        """Refuse, before anything runs, params that cannot work on this model (e.g. targets
+        matching no module); `artifact` is the input when known, `module_names` the base's."""
+
+    def planned_output(self, artifact: Artifact) -> Artifact:
+        """What `apply` will make of this input, as far as kind and quantization go (the
+        pipeline checks step order with it before running anything)."""
+        return artifact
 
     def apply(self, artifact: Artifact, ctx: StepContext) -> Artifact:
         raise NotImplementedError

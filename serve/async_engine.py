@@ -62,6 +62,9 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.metrics.describe_cache(
+            self.engine.cache_config.block_size, self.engine.runner.num_blocks
+        )
         self.metrics.observe_stats(self.stats)
         self._thread.start()
 

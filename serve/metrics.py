@@ -101,8 +101,17 @@ class ServerMetrics:
             [*labels, "finished_reason"],
             registry=r,
         )
+        self.cache_info = Gauge(
+            "workbench:cache_config_info",
+            "KV cache layout (labels); value 1.",
+            ["model_name", "block_size", "num_blocks"],
+            registry=r,
+        )
         self.model_name = model_name
         self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0)
+
+    def describe_cache(self, block_size: int, num_blocks: int) -> None:
+        self.cache_info.labels(self.model_name, str(block_size), str(num_blocks)).set(1)
 
     def observe_stats(self, s: EngineStats) -> None:
         m = self.model_name

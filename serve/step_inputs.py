@@ -66,11 +66,13 @@ def _decode_groups(
         padded = [tables[i] + [0] * (width - len(tables[i])) for i in members]
         seq_lens = torch.tensor([lens[i] for i in members], device=device)
         mask = torch.arange(width * block_size, device=device)[None, :] < seq_lens[:, None]
-        groups.append(DecodeGroup(
-            rows=torch.tensor([rows[i] for i in members], dtype=torch.long, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
-            mask=mask[:, None, None, :],
-        ))  # fmt: skip
+        groups.append(
+            DecodeGroup(
+                rows=torch.tensor([rows[i] for i in members], dtype=torch.long, device=device),
+                block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+                mask=mask[:, None, None, :],
+            )
+        )
     return groups
 
 

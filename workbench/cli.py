@@ -9,8 +9,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from evals.load_cli import add_bench_arguments
 from serve.server_cli import add_serve_arguments
-from workbench.pipeline import Pipeline, VariantResult
+from workbench.pipeline import Pipeline, PipelineError, VariantResult
 from workbench.recipe import RecipeError, load_recipe
 
 console = Console(stderr=True)
@@ -43,10 +44,14 @@ def _variants_table(results: list[VariantResult]) -> Table:
     for r in results:
         m = r.manifest
         table.add_row(
-            r.name, r.status, m.get("kind", "?"), f"{m.get('parameters', 0):,}",
-            _size(m.get("bytes_on_disk", 0)), f"{m.get('wall_seconds', 0):.1f} s",
+            r.name,
+            r.status,
+            m.get("kind", "?"),
+            f"{m.get('parameters', 0):,}",
+            _size(m.get("bytes_on_disk", 0)),
+            f"{m.get('wall_seconds', 0):.1f} s",
             _size(m.get("peak_memory_bytes", 0)),
-        )  # fmt: skip
+        )
     return table
 
 
@@ -69,7 +74,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"  {'built ' if r.status == 'built' else 'reused'} [bold]{r.name}[/] -> {r.path}"
         )
 
-    results = Pipeline(recipe, base, work_dir, force=args.force).run(args.variant, on_result=show)
+    from workbench.artifact_eval import evaluate
+
+    pipeline = Pipeline(recipe, base, work_dir, force=args.force, evaluate=evaluate)
+    results = pipeline.run(args.variant, on_result=show)
     out.print(_variants_table(results))
     built = [r.name for r in results if r.status == "built"]
     reused = [r.name for r in results if r.status == "reused"]
@@ -91,8 +99,14 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     path = ensure_demo_model(args.name, console)
     info = build_info(path)
     out.print(f"{args.name}: {path}")
-    for key in ("parameters", "train_tokens", "build_seconds", "validation_perplexity",
-                "unigram_validation_perplexity", "shifted_validation_perplexity"):  # fmt: skip
+    for key in (
+        "parameters",
+        "train_tokens",
+        "build_seconds",
+        "validation_perplexity",
+        "unigram_validation_perplexity",
+        "shifted_validation_perplexity",
+    ):
         value = info[key]
         out.print(
             f"  {key:32s} {value:,.2f}" if isinstance(value, float) else f"  {key:32s} {value:,}"
@@ -109,6 +123,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.served_model_name = args.model
         args.model = str(ensure_demo_model(args.model, console))
     return run_server(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from evals.load_cli import print_summary, run_bench
+    from workbench.demo import SPECS, ensure_demo_model
+
+    serve_flags = list(args.serve_flags)
+    if args.model in SPECS:
+        serve_flags += ["--served-model-name", args.model]
+        args.model = str(ensure_demo_model(args.model, console))
+    print_summary(run_bench(args, serve_flags))
+    out.print(f"wrote {args.out}")
+    return 0
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
@@ -138,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser(
+        "bench",
+        help="load benchmark over HTTP: ramp concurrency per prompt length, find KV saturation "
+        "(other flags go to the server it starts)",
+    )
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
+    p = sub.add_parser(
         "bench-engine",
         add_help=False,
         help="engine throughput vs transformers' static and continuous batching (--help for more)",
@@ -152,12 +186,20 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     if args.command == "bench-engine":
         args.args = extra + args.args
+    elif args.command == "bench":
+        args.serve_flags = extra
     elif extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except PipelineError as e:
+        print(
+            f"error: {args.recipe}: " + f"\nerror: {args.recipe}: ".join(e.problems),
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -10,8 +10,16 @@ import time
 from types import TracebackType
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-PACKAGES = ("workbench", "torch", "transformers", "tokenizers", "safetensors", "peft",
-            "bitsandbytes", "accelerate")  # fmt: skip
+PACKAGES = (
+    "workbench",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "peft",
+    "bitsandbytes",
+    "accelerate",
+)
 
 
 def rss_bytes() -> int:

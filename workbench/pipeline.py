@@ -10,9 +10,11 @@ work dir, so an interrupted run leaves only temporary dirs, which the next run d
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from typing import Any, Literal
 
 from compress import STEPS, Artifact, StepContext, StepParams
 from compress.artifact import (
+    artifact_from_manifest,
     atomic_dir,
     count_parameters,
     dir_bytes,
@@ -28,6 +31,7 @@ from compress.artifact import (
     remove_stale_tmp,
     write_manifest,
 )
+from compress.registry import StepError
 from workbench.base_model import BaseRef, base_artifact, base_fingerprint
 from workbench.locking import file_lock
 from workbench.measure import PeakMemory, package_versions
@@ -65,12 +69,57 @@ def _chain(variant: Variant, base_hash: str, seed: int) -> list[_StepCall]:
     return calls
 
 
+class PipelineError(Exception):
+    """Steps that cannot run as written; raised before anything is built."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+Evaluate = Callable[[Artifact], dict[str, Any]]
+"""Measures a finished variant (memory, load time, perplexities) for its manifest."""
+
+
 class Pipeline:
     """One recipe run in one work dir; `run()` returns what it built and what it reused."""
 
-    def __init__(self, recipe: Recipe, base: BaseRef, work_dir: Path, force: bool = False) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        base: BaseRef,
+        work_dir: Path,
+        force: bool = False,
+        evaluate: Evaluate | None = None,
+    ) -> None:
         self.recipe, self.base, self.work_dir, self.force = recipe, base, work_dir, force
         self.recipe_hash = recipe_hash(recipe)
+        self.evaluate = evaluate
+
+    def check(self, variants: list[Variant], module_names: list[str]) -> None:
+        """Each step must accept what the step before it makes, and its params must fit the
+        model (e.g. targets that exist); every problem is reported at once."""
+        problems = []
+        for v_index, variant in enumerate(self.recipe.variants):
+            if variant not in variants:
+                continue
+            state = Artifact(Path(), "model")
+            for s_index, (name, params) in enumerate(variant.step_calls()):
+                where = f"variants[{v_index}] ({variant.name}).steps[{s_index}].{name}"
+                step = STEPS[name](params)
+                if state.kind not in step.accepts:
+                    problems.append(
+                        f"{where}: cannot follow a step that makes a {state.kind} "
+                        f"(it takes a {' or '.join(step.accepts)}); reorder the steps"
+                    )
+                    break
+                try:
+                    step.check(state, module_names)
+                except StepError as e:
+                    problems.append(f"{where}: {e}")
+                state = step.planned_output(state)
+        if problems:
+            raise PipelineError(problems)
 
     def run(
         self,
@@ -78,11 +127,12 @@ class Pipeline:
         on_result: Callable[[VariantResult], None] | None = None,
     ) -> list[VariantResult]:
         variants = [v for v in self.recipe.variants if only is None or v.name in only]
+        base = base_artifact(self.base)
+        self.check(variants, module_names(base.path))
         results = []
         with file_lock(self.work_dir / ".lock"):
-            remove_stale_tmp(self.work_dir / "variants")
-            remove_stale_tmp(self.work_dir / "artifacts")
-            base = base_artifact(self.base)
+            for sub in ("variants", "artifacts"):
+                remove_stale_tmp(self.work_dir / sub)
             base_hash = base_fingerprint(self.base)
             for variant in variants:
                 results.append(self._run_variant(variant, base, base_hash))
@@ -99,7 +149,7 @@ class Pipeline:
         for i, call in enumerate(calls):
             out = final if i == len(calls) - 1 else self.work_dir / "artifacts" / call.hash
             if out != final and not self.force and _has_hash(out, call.hash):
-                artifact = Artifact(out, read_manifest(out)["kind"])  # type: ignore[index]
+                artifact = artifact_from_manifest(out)
             else:
                 artifact = self._apply(variant, calls[: i + 1], artifact, parent, out)
             parent = {"path": str(out), "hash": call.hash}
@@ -115,13 +165,16 @@ class Pipeline:
     ) -> Artifact:
         call = calls[-1]
         step = STEPS[call.name](call.params)
+        checkpoints = self.work_dir / "checkpoints" / call.hash
+        ctx = StepContext(out_dir=Path(), seed=self.recipe.seed, checkpoint_dir=checkpoints)
         with atomic_dir(out) as tmp:
             started = time.perf_counter()
             with PeakMemory() as peak:
-                made = step.apply(artifact, StepContext(out_dir=tmp, seed=self.recipe.seed))
+                made = step.apply(artifact, dataclasses.replace(ctx, out_dir=tmp))
             manifest = {
                 "variant": variant.name,
                 "kind": made.kind,
+                "quantization": made.quantization,
                 "hash": call.hash,
                 "recipe": {"name": self.recipe.name, "hash": self.recipe_hash},
                 "base": {"kind": self.base.kind, "name": self.base.name},
@@ -139,8 +192,21 @@ class Pipeline:
                 "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "info": made.info,
             }
+            if self.evaluate is not None and out.parent.name == "variants":
+                manifest["eval"] = self.evaluate(dataclasses.replace(made, path=tmp))
             write_manifest(tmp, manifest)
-        return Artifact(out, made.kind, made.info)
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        return dataclasses.replace(made, path=out)
+
+
+def module_names(model_dir: Path) -> list[str]:
+    """Module names of the model in `model_dir`, from its config alone (no weights loaded)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        return [n for n, _ in AutoModelForCausalLM.from_config(config).named_modules()]
 
 
 def _has_hash(path: Path, expected: str) -> bool:

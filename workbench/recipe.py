@@ -27,7 +27,10 @@ from pydantic import (
 
 from compress import STEPS, StepParams
 from workbench.base_model import BaseRef, resolve_base
+from workbench.demo import data as demo_data
 from workbench.recipe_errors import RecipeError, format_validation_error
+
+demo_data.register()  # the named data sets (corpus, shift) recipes may use
 
 Slug = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)]
 

@@ -31,11 +31,20 @@ def make_model(arch: str, tokenizer_dir: Path, out: Path, seed: int = 0) -> Path
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(seed)
     config = ARCHITECTURES[arch](
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-        initializer_range=0.3, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -61,9 +70,11 @@ def reference_outputs(model_dir: Path, cases: list[Case]) -> list[list[int]]:
         for case in cases:
             ids = torch.tensor([case.prompt])
             gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=case.max_tokens,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=case.max_tokens,
                 do_sample=False,
-            )  # fmt: skip
+            )
             outs.append(gen[0, ids.shape[1] :].tolist())
     return outs
 

@@ -55,9 +55,12 @@ def test_logprobs_match_transformers(
     out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=2))[0]
     model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval()
     gen = model.generate(
-        torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-        output_logits=True, return_dict_in_generate=True,
-    )  # fmt: skip
+        torch.tensor([prompt]),
+        max_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     for step, (token, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
         expected = gen.logits[step][0].float().log_softmax(-1)
         top = expected.topk(2)
@@ -115,9 +118,14 @@ def test_ignore_eos_keeps_generating() -> None:
 
 
 def test_invalid_sampling_params_name_the_field() -> None:
-    for kwargs, word in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                         ({"top_k": 0}, "top_k"), ({"max_tokens": -2}, "max_tokens"),
-                         ({"logprobs": 50}, "logprobs"), ({"stop": ("",)}, "stop")]:  # fmt: skip
+    for kwargs, word in [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_tokens": -2}, "max_tokens"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"stop": ("",)}, "stop"),
+    ]:
         with pytest.raises(ValueError, match=word):
             SamplingParams(**kwargs)
 

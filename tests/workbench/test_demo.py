@@ -92,8 +92,12 @@ def test_tiny_model_loads_with_no_network(tiny_model_dir: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     result = subprocess.run(
         [sys.executable, "-c", _LOAD_OFFLINE, str(tiny_model_dir)],
-        env=env, capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert result.stdout.split()[:4] == ["LlamaForCausalLM", "2", "4", "8"]
     assert "'<|bos|><|user|>\\nhi<|eos|>\\n<|assistant|>\\n'" in result.stdout
 

@@ -37,12 +37,12 @@ BAD = {
     "unknown step": (
         "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{quantise: {}}]}]\n",
         "variants[0].steps[0]",
-        ["unknown step 'quantise'", "allowed steps: identity"],
+        ["unknown step 'quantise'", "allowed steps: distill, identity, lora, merge, quantize"],
     ),
     "step with two keys": (
         "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{identity: {}, other: {}}]}]\n",
         "variants[0].steps[0]",
-        ["exactly one key", "identity"],
+        ["exactly one key", "identity", "quantize"],
     ),
     "unknown step param": (
         "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{identity: {bits: 4}}]}]\n",
@@ -78,6 +78,31 @@ BAD = {
         "name: x\nbase: ./models/none-here\nvariants: [{name: a}]\n",
         "base",
         ["found './models/none-here'", "no such directory", "demo, demo-tiny"],
+    ),
+    "unknown quantize method": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{quantize: {method: int3}}]}]\n",
+        "variants[0].steps[0].quantize.method",
+        ["found 'int3'", "'bnb-int8', 'bnb-nf4', 'bnb-fp4' or 'int8-wo'"],
+    ),
+    "lora rank zero": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{lora: {rank: 0}}]}]\n",
+        "variants[0].steps[0].lora.rank",
+        ["found 0", "greater than 0"],
+    ),
+    "missing data file": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{lora: {data: nope.jsonl}}]}]\n",
+        "variants[0].steps[0].lora.data",
+        ["found 'nope.jsonl'", "no such file"],
+    ),
+    "data not a known set": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{distill: {layers: 1, data: wiki}}]}]\n",
+        "variants[0].steps[0].distill.data",
+        ["found 'wiki'", "named data set (corpus, shift)"],
+    ),
+    "narrow student from teacher": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{distill: {layers: 1, hidden_size: 16}}]}]\n",
+        "variants[0].steps[0].distill",
+        ["set init: random"],
     ),
     "not a mapping": ("- just\n- a list\n", "", ["found list", "a recipe is a mapping"]),
     "not yaml": ("name: [unclosed\n", "", ["not valid YAML", "line"]),
@@ -160,3 +185,12 @@ def test_shipped_recipes_validate() -> None:
     assert recipes
     for path in recipes:
         load_recipe(path)
+
+
+def test_empty_data_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "empty.jsonl").write_text("\n")
+    text = "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{lora: {data: empty.jsonl}}]}]\n"
+    with pytest.raises(
+        RecipeError, match=r"lora\.data: found 'empty\.jsonl': the file .* is empty"
+    ):
+        load_recipe(_write(tmp_path, text))

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from compress.data import token_rows
 from workbench.demo import corpus, shifted
 from workbench.demo.tokenizer import train_tokenizer
 
@@ -60,11 +61,11 @@ SPECS: dict[str, DemoSpec] = {
     ),
     "demo-tiny": DemoSpec(
         vocab_size=512,
-        hidden_size=32,
+        hidden_size=64,  # bitsandbytes' 4-bit CPU kernels need in_features divisible by 64
         num_layers=2,
         num_heads=4,
         num_kv_heads=2,
-        intermediate_size=64,
+        intermediate_size=128,
         seq_len=64,
         batch_size=8,
         steps=120,
@@ -73,16 +74,6 @@ SPECS: dict[str, DemoSpec] = {
         warmup_steps=5,
     ),
 }
-
-
-def token_rows(tok: PreTrainedTokenizerFast, texts: list[str], seq_len: int) -> torch.Tensor:
-    """Documents joined by eos (each starting with bos), cut into full rows of `seq_len`."""
-    stream: list[int] = []
-    for ids in tok(texts)["input_ids"]:
-        stream.extend(ids)
-        stream.append(tok.eos_token_id)
-    n = len(stream) // seq_len
-    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
 def _llama_config(spec: DemoSpec, tok: PreTrainedTokenizerFast) -> LlamaConfig:

@@ -1,0 +1,75 @@
+"""Training data for steps: named data sets or local files, read with `datasets`, packed into rows.
+
+A step's `data` is either a registered name (the demo registers `corpus` and `shift`, each with
+train and validation splits written to local JSON-lines files) or the path of a local `.jsonl` /
+`.json` file with a `text` field, or a `.txt` file (one document per line). Nothing is fetched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+NAMED_DATA: dict[str, Callable[[], dict[str, Path]]] = {}
+"""name -> function returning {split: local file}; registered by `workbench.demo.data`."""
+
+_FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text"}
+
+
+def register_data(name: str, files: Callable[[], dict[str, Path]]) -> None:
+    NAMED_DATA[name] = files
+
+
+def check_data(value: str, base_dir: Path) -> str:
+    """A named data set or an existing, non-empty local file (relative to `base_dir`); returns
+    the value to store (names as given, paths absolute). Raises ValueError naming the fix."""
+    if value in NAMED_DATA:
+        return value
+    path = (base_dir / value).expanduser().resolve()
+    if path.suffix not in _FORMATS:
+        names = ", ".join(NAMED_DATA) or "(none registered)"
+        raise ValueError(
+            f"found {value!r}: neither a named data set ({names}) nor a .jsonl/.json/.txt file"
+        )
+    if not path.is_file():
+        raise ValueError(f"found {value!r}: no such file ({path}); give an existing data file")
+    if not path.read_text(errors="replace").strip():
+        raise ValueError(f"found {value!r}: the file {path} is empty; give it some text")
+    return str(path)
+
+
+def data_files(value: str) -> dict[str, Path]:
+    """{split: file} for a checked `data` value; a single local file is the train split."""
+    return NAMED_DATA[value]() if value in NAMED_DATA else {"train": Path(value)}
+
+
+def load_texts(value: str, split: str = "train") -> list[str]:
+    """The split's documents, read with `datasets` from local files."""
+    from datasets import load_dataset
+
+    files = data_files(value)
+    if split not in files:
+        raise ValueError(f"data {value!r} has no {split!r} split (it has {', '.join(files)})")
+    path = files[split]
+    dataset = load_dataset(_FORMATS[path.suffix], data_files={split: str(path)}, split=split)
+    if "text" not in dataset.column_names:
+        raise ValueError(f"{path}: records need a 'text' field (found {dataset.column_names})")
+    texts = [t for t in dataset["text"] if t and t.strip()]
+    if not texts:
+        raise ValueError(f"{path}: no non-empty 'text' records")
+    return texts
+
+
+def token_rows(tok: PreTrainedTokenizerBase, texts: list[str], seq_len: int) -> torch.Tensor:
+    """Documents (each with the tokenizer's own bos) joined by eos, cut into full rows."""
+    stream: list[int] = []
+    for ids in tok(texts)["input_ids"]:
+        stream.extend(ids)
+        stream.append(tok.eos_token_id)
+    n = len(stream) // seq_len
+    if n == 0:
+        raise ValueError(f"the data holds {len(stream)} tokens, fewer than one row of {seq_len}")
+    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)

@@ -1,0 +1,142 @@
+"""The lora step (PEFT LoRA; QLoRA on a quantized input) and the merge step.
+
+Model: the input model is frozen and LoRA matrices are added to the target linear layers
+(`W x + (B A x) * alpha / r`, or `alpha / sqrt(r)` with rsLoRA); only A and B train, on the
+`data` set's train split. On a bitsandbytes-quantized input the model is first prepared for
+k-bit training (QLoRA). The output is a PEFT adapter directory (safetensors) whose manifest names
+the input as its base. `merge` folds an adapter into a full-precision copy of its base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from pydantic import Field, ValidationInfo, field_validator
+
+from compress.artifact import Artifact, copy_side_files
+from compress.data import check_data, load_texts, token_rows
+from compress.registry import Step, StepContext, StepError, StepParams, register
+from compress.targets import as_peft_regex, select
+from compress.training import TrainConfig, train
+
+
+class LoraParams(StepParams):
+    rank: int = Field(default=16, gt=0)
+    """r: the rank of A (r x in) and B (out x r)."""
+    alpha: float | None = Field(default=None, gt=0)
+    """Scaling numerator; 2 x rank when absent."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    targets: list[str] = Field(default=["q_proj", "v_proj"], min_length=1)
+    """Linear layers to adapt, by name or `re:` regex."""
+    rslora: bool = False
+    """Scale by alpha / sqrt(rank) instead of alpha / rank."""
+    data: str = "shift"
+    """A named data set (corpus, shift) or a local .jsonl/.json/.txt file."""
+    steps: int = Field(default=200, gt=0)
+    lr: float = Field(default=2e-3, gt=0)
+    batch_size: int = Field(default=8, gt=0)
+    seq_len: int = Field(default=128, gt=1)
+
+    @field_validator("data")
+    @classmethod
+    def _data_exists(cls, value: str, info: ValidationInfo) -> str:
+        from pathlib import Path
+
+        return check_data(value, (info.context or {}).get("recipe_dir", Path.cwd()))
+
+
+def _causal_lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, labels=batch).loss
+
+
+@register
+class Lora(Step):
+    name = "lora"
+    Params = LoraParams
+    params: LoraParams
+
+    def check(self, artifact: Artifact | None, module_names: list[str]) -> None:
+        select(module_names, self.params.targets, "lora.targets")
+
+    def planned_output(self, artifact: Artifact) -> Artifact:
+        return dataclasses.replace(artifact, kind="adapter", base=artifact.path)
+
+    def apply(self, artifact: Artifact, ctx: StepContext) -> Artifact:
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        p = self.params
+        torch.manual_seed(ctx.seed)
+        model = AutoModelForCausalLM.from_pretrained(
+            artifact.path, dtype=torch.float32, device_map=ctx.device
+        )
+        select([n for n, _ in model.named_modules()], p.targets, "lora.targets")
+        if artifact.quantization and artifact.quantization.startswith("bnb-"):
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        config = LoraConfig(
+            r=p.rank,
+            lora_alpha=p.alpha or 2 * p.rank,
+            lora_dropout=p.dropout,
+            target_modules=as_peft_regex(p.targets),
+            use_rslora=p.rslora,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, config)
+        tok = AutoTokenizer.from_pretrained(artifact.path)
+        rows = token_rows(tok, load_texts(p.data, "train"), p.seq_len)
+        cfg = TrainConfig(
+            p.steps,
+            p.lr,
+            p.batch_size,
+            ctx.seed,
+            desc="lora",
+            checkpoint_every=max(p.steps // 4, 1),
+        )
+        result = train(model, rows, _causal_lm_loss, cfg, checkpoint_dir=ctx.checkpoint_dir)
+        model.save_pretrained(ctx.out_dir, safe_serialization=True)
+        copy_side_files(artifact.path, ctx.out_dir)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        info = {
+            "trainable_parameters": trainable,
+            "first_loss": result.losses[0],
+            "final_loss": result.losses[-1],
+            "resumed_from_step": result.resumed_from,
+            "qlora": bool(artifact.quantization),
+        }
+        return Artifact(
+            ctx.out_dir, "adapter", info, base=artifact.path, quantization=artifact.quantization
+        )
+
+
+class MergeParams(StepParams):
+    pass
+
+
+@register
+class Merge(Step):
+    name = "merge"
+    Params = MergeParams
+    accepts = ("adapter",)
+
+    def check(self, artifact: Artifact | None, module_names: list[str]) -> None:
+        if artifact is not None and artifact.quantization:
+            raise StepError(
+                f"merge needs a full-precision base, but this adapter's base is quantized "
+                f"({artifact.quantization}); merge before quantizing, or serve the adapter as is"
+            )
+
+    def planned_output(self, artifact: Artifact) -> Artifact:
+        return dataclasses.replace(artifact, kind="model", base=None)
+
+    def apply(self, artifact: Artifact, ctx: StepContext) -> Artifact:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        self.check(artifact, [])
+        assert artifact.base is not None
+        base = AutoModelForCausalLM.from_pretrained(artifact.base, dtype=torch.float32)
+        merged = PeftModel.from_pretrained(base, artifact.path).merge_and_unload()
+        merged.save_pretrained(ctx.out_dir)
+        copy_side_files(artifact.base, ctx.out_dir)
+        return Artifact(ctx.out_dir, "model", {"merged_adapter": str(artifact.path)})

@@ -1,0 +1,130 @@
+"""The quantize step: bitsandbytes int8 / nf4 / fp4, and int8 weight-only for fast CPU serving.
+
+Model: the input model is loaded with a quantization config that names which linear layers to
+quantize (`targets`, all linear layers by default, minus `ignore`); the quantized model is
+written with `save_pretrained`, so transformers (and the engine) load it again from its
+`config.json` alone. bitsandbytes methods go through `BitsAndBytesConfig`; `int8-wo` through
+torchao's int8 weight-only config (per-channel int8 weights, activations kept in float), whose
+CPU matmul kernel reads int8 weights directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from compress.artifact import Artifact, copy_side_files
+from compress.registry import Step, StepContext, StepError, StepParams, register
+from compress.targets import select
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class QuantizeParams(StepParams):
+    method: Literal["bnb-int8", "bnb-nf4", "bnb-fp4", "int8-wo"]
+    """bnb-int8: LLM.int8 (outlier columns in float); bnb-nf4 / bnb-fp4: 4-bit blocks;
+    int8-wo: int8 weight-only (torchao), the fast one on the CPU."""
+    double_quant: bool = False
+    """4-bit only: quantize the block scales too (saves ~0.4 bits per weight)."""
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """4-bit only: dtype of the matmul after dequantization."""
+    threshold: float = Field(default=6.0, gt=0)
+    """bnb-int8 only: activations above this magnitude go through the float path (outliers)."""
+    targets: list[str] | None = None
+    """Linear layers to quantize, by name or `re:` regex; all of them when absent."""
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    """Linear layers to keep in full precision."""
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+@register
+class Quantize(Step):
+    name = "quantize"
+    Params = QuantizeParams
+    params: QuantizeParams
+
+    def check(self, artifact: Artifact | None, module_names: list[str]) -> None:
+        if artifact is not None and artifact.quantization:
+            raise StepError(
+                f"the input is already quantized ({artifact.quantization}); quantize a full-precision model"
+            )
+        if self.params.targets:
+            select(module_names, self.params.targets, "quantize.targets")
+        if self.params.ignore != ["lm_head"]:  # a custom ignore list must name real modules
+            select(module_names, self.params.ignore, "quantize.ignore")
+
+    def planned_output(self, artifact: Artifact) -> Artifact:
+        return dataclasses.replace(artifact, quantization=self.params.method)
+
+    def _skipped(self, names: list[str]) -> list[str]:
+        chosen = select(names, self.params.targets) if self.params.targets else names
+        kept = (
+            set(select(names, self.params.ignore, "quantize.ignore"))
+            if self.params.ignore
+            else set()
+        )
+        return sorted(n for n in names if n not in chosen or n in kept)
+
+    def _config(self, skipped: list[str]) -> object:
+        p = self.params
+        if p.method == "int8-wo":
+            from torchao.quantization import Int8WeightOnlyConfig
+            from transformers import TorchAoConfig
+
+            return TorchAoConfig(Int8WeightOnlyConfig(), modules_to_not_convert=skipped)
+        from transformers import BitsAndBytesConfig
+
+        if p.method == "bnb-int8":
+            return BitsAndBytesConfig(
+                load_in_8bit=True, llm_int8_threshold=p.threshold, llm_int8_skip_modules=skipped
+            )
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=p.method.removeprefix("bnb-"),
+            bnb_4bit_use_double_quant=p.double_quant,
+            bnb_4bit_compute_dtype=_DTYPES[p.compute_dtype],
+            llm_int8_skip_modules=skipped,
+        )
+
+    def apply(self, artifact: Artifact, ctx: StepContext) -> Artifact:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(artifact.path)
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+        names = linear_names(meta)
+        skipped = self._skipped(names)
+        if self.params.method in ("bnb-nf4", "bnb-fp4") and ctx.device == "cpu":
+            _check_4bit_cpu_shapes(meta, [n for n in names if n not in skipped])
+        model = AutoModelForCausalLM.from_pretrained(
+            artifact.path,
+            quantization_config=self._config(skipped),
+            device_map=ctx.device,
+            dtype=torch.float32,
+        )
+        model.save_pretrained(ctx.out_dir, safe_serialization=True)
+        copy_side_files(artifact.path, ctx.out_dir)
+        quantized = len(names) - len(skipped)
+        return Artifact(
+            ctx.out_dir,
+            "model",
+            {"quantized_linear_layers": quantized, "full_precision_linear_layers": skipped},
+            quantization=self.params.method,
+        )
+
+
+def _check_4bit_cpu_shapes(model: torch.nn.Module, names: list[str]) -> None:
+    """bitsandbytes' 4-bit CPU kernels pack weights in blocks of 64 input features."""
+    modules = dict(model.named_modules())
+    odd = [n for n in names if modules[n].in_features % 64]
+    if odd:
+        raise StepError(
+            f"bitsandbytes 4-bit on the CPU needs in_features divisible by 64; {len(odd)} layers "
+            f"are not (e.g. {odd[0]}: {modules[odd[0]].in_features}); add them to quantize.ignore"
+        )

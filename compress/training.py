@@ -1,0 +1,122 @@
+"""The training loop shared by the distill and lora steps: seeded batches, AdamW with warm-up
+and cosine decay, a progress bar, periodic validation, and resumable checkpoints.
+
+Model: the batch of step k is rows[perm[k*B : (k+1)*B]] for one seeded permutation, so a run
+resumed at step k sees exactly the batches it would have seen. Training runs through
+`accelerate.Accelerator`, so the same code runs on one CPU or under `accelerate launch`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int
+    lr: float
+    batch_size: int
+    seed: int = 0
+    warmup: int = 10
+    eval_every: int = 0
+    """Validate every this many steps (0: only at the end)."""
+    checkpoint_every: int = 0
+    """Save a resumable checkpoint every this many steps (0: never)."""
+    desc: str = "training"
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    validation: list[tuple[int, float]] = field(default_factory=list)
+    resumed_from: int = 0
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def batch_indices(num_rows: int, config: TrainConfig, step: int) -> torch.Tensor:
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(config.seed))
+    return torch.stack(
+        [order[(step * config.batch_size + j) % num_rows] for j in range(config.batch_size)]
+    )
+
+
+def train(
+    model: torch.nn.Module,
+    rows: torch.Tensor,
+    loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    config: TrainConfig,
+    validate: Callable[[torch.nn.Module], float] | None = None,
+    checkpoint_dir: Path | None = None,
+) -> TrainResult:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    result = TrainResult()
+    start = _resume(accelerator, checkpoint_dir, result)
+    model.train()
+    bar = tqdm(
+        range(start, config.steps),
+        desc=config.desc,
+        unit="step",
+        leave=False,
+        disable=not accelerator.is_local_main_process,
+    )
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(config, step)
+        batch = rows[batch_indices(len(rows), config, step)].to(accelerator.device)
+        loss = loss_fn(model, batch)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        result.losses.append(loss.item())
+        bar.set_postfix(loss=f"{result.losses[-1]:.3f}")
+        done = step + 1
+        if validate and config.eval_every and done % config.eval_every == 0 and done < config.steps:
+            result.validation.append((done, validate(accelerator.unwrap_model(model))))
+            model.train()
+        if checkpoint_dir and config.checkpoint_every and done % config.checkpoint_every == 0:
+            _save(accelerator, checkpoint_dir, done, result)
+    if validate:
+        result.validation.append((config.steps, validate(accelerator.unwrap_model(model))))
+    return result
+
+
+def _save(accelerator: object, checkpoint_dir: Path, step: int, result: TrainResult) -> None:
+    target = checkpoint_dir / f"step-{step}"
+    accelerator.save_state(str(target))  # type: ignore[attr-defined]
+    (target / "progress.json").write_text(
+        json.dumps({"step": step, "losses": result.losses, "validation": result.validation})
+    )
+    (checkpoint_dir / "latest").write_text(target.name)
+
+
+def _resume(accelerator: object, checkpoint_dir: Path | None, result: TrainResult) -> int:
+    if checkpoint_dir is None or not (checkpoint_dir / "latest").is_file():
+        return 0
+    target = checkpoint_dir / (checkpoint_dir / "latest").read_text().strip()
+    if not (target / "progress.json").is_file():
+        return 0
+    accelerator.load_state(str(target))  # type: ignore[attr-defined]
+    progress = json.loads((target / "progress.json").read_text())
+    result.losses = progress["losses"]
+    result.validation = [tuple(v) for v in progress["validation"]]
+    result.resumed_from = progress["step"]
+    return progress["step"]

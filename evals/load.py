@@ -1,0 +1,219 @@
+"""Load benchmark over HTTP: ramp concurrency for each prompt length against a running server.
+
+Model: at each point (concurrency c, prompt length p) c clients each send streaming completions
+back to back (random token-id prompts of p tokens, exactly `max_tokens` outputs, eos ignored)
+until `requests` have finished. Per request: TTFT, time per output token after the first, and
+end-to-end latency; per point: request and token throughput, p50/p95/p99, and the peaks of KV
+usage, waiting requests and preemptions read from `/metrics` while the point runs. The saturation
+point is the first concurrency at which requests queue while the KV cache is at least 90% full;
+it is compared with the estimate `KV tokens / (p + max_tokens)` from the server's KV budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    ttft: float
+    tpot: float
+    """Mean seconds per output token after the first."""
+    e2e: float
+    output_tokens: int
+
+
+@dataclass
+class Point:
+    concurrency: int
+    prompt_len: int
+    max_tokens: int
+    requests: int
+    seconds: float
+    request_throughput: float
+    output_throughput: float
+    ttft: dict[str, float]
+    tpot: dict[str, float]
+    e2e: dict[str, float]
+    peak_kv_usage: float
+    peak_waiting: float
+    preemptions: float
+    failed: int = 0
+    saturated: bool = field(default=False)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {"p50": q[49], "p95": q[94], "p99": q[98], "mean": statistics.fmean(values)}
+
+
+def read_metrics(text: str) -> dict[str, float]:
+    """Sample name -> value summed over labels; label values of `*_info` samples as `name.label`."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+            if sample.name.endswith("_info"):
+                for label, value in sample.labels.items():
+                    if value.isdigit():
+                        out[f"{sample.name}.{label}"] = float(value)
+    return out
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming:
+    start = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                last = time.perf_counter()
+                first = first or last
+    end = time.perf_counter()
+    first = first or end
+    tpot = ((last or end) - first) / max(tokens - 1, 1)
+    return RequestTiming(first - start, tpot, end - start, tokens)
+
+
+class MetricsWatcher:
+    """Polls /metrics while a point runs and keeps the peaks."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str) -> None:
+        self.client, self.url = client, url
+        self.peak_kv = self.peak_waiting = 0.0
+        self.preemptions_start = self.preemptions_end = 0.0
+
+    async def sample(self) -> dict[str, float]:
+        m = read_metrics((await self.client.get(f"{self.url}/metrics")).text)
+        self.peak_kv = max(self.peak_kv, m.get("workbench:kv_cache_usage_perc", 0.0))
+        self.peak_waiting = max(self.peak_waiting, m.get("workbench:num_requests_waiting", 0.0))
+        return m
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        self.preemptions_start = (await self.sample()).get("workbench:num_preemptions_total", 0.0)
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+            self.preemptions_end = (await self.sample()).get("workbench:num_preemptions_total", 0.0)
+
+
+PROMPT_TOKEN_RANGE = (10, 500)
+"""Prompt token ids are drawn from here: valid for any vocabulary of 500 tokens or more."""
+
+
+async def run_point(
+    url: str, model: str, c: int, p: int, max_tokens: int, requests: int, seed: int = 0
+) -> Point:
+    rng = random.Random(seed * 1000 + c * 7 + p)
+    prompts = [[rng.randrange(*PROMPT_TOKEN_RANGE) for _ in range(p)] for _ in range(requests)]
+    timings: list[RequestTiming] = []
+    failed = 0
+    limits = httpx.Limits(max_connections=c + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        watcher, stop = MetricsWatcher(client, url), asyncio.Event()
+        watch_task = asyncio.ensure_future(watcher.watch(stop))
+        queue = list(range(requests))
+
+        async def worker() -> None:
+            nonlocal failed
+            while queue:
+                body = {
+                    "model": model,
+                    "prompt": prompts[queue.pop()],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                try:
+                    timings.append(await one_request(client, url, body))
+                except (RuntimeError, httpx.HTTPError):
+                    failed += 1
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(c)))
+        seconds = time.perf_counter() - start
+        stop.set()
+        await watch_task
+    tokens = sum(t.output_tokens for t in timings)
+    return Point(
+        c,
+        p,
+        max_tokens,
+        len(timings),
+        seconds,
+        len(timings) / seconds,
+        tokens / seconds,
+        percentiles([t.ttft for t in timings]),
+        percentiles([t.tpot for t in timings]),
+        percentiles([t.e2e for t in timings]),
+        watcher.peak_kv,
+        watcher.peak_waiting,
+        watcher.preemptions_end - watcher.preemptions_start,
+        failed,
+    )
+
+
+def server_info(url: str) -> dict[str, float | str]:
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+    m = read_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
+    return {
+        "model": model["id"],
+        "max_model_len": model["max_model_len"],
+        "kv_blocks": m["workbench:cache_config_info.num_blocks"],
+        "block_size": m["workbench:cache_config_info.block_size"],
+    }
+
+
+def sweep(
+    url: str,
+    concurrency: list[int],
+    prompt_lens: list[int],
+    max_tokens: int,
+    requests_per_point: int | None = None,
+) -> dict:
+    """All points, with the saturation point per prompt length and its estimate."""
+    info = server_info(url)
+    kv_tokens = float(info["kv_blocks"]) * float(info["block_size"])
+    result: dict = {"server": info, "kv_tokens": kv_tokens, "points": [], "saturation": {}}
+    total = len(concurrency) * len(prompt_lens)
+    with tqdm(total=total, desc="load points", unit="point") as bar:
+        for p in prompt_lens:
+            for c in concurrency:
+                n = requests_per_point or max(2 * c, 8)
+                point = asyncio.run(run_point(url, str(info["model"]), c, p, max_tokens, n))
+                point.saturated = point.peak_waiting > 0 and point.peak_kv_usage >= 0.9
+                result["points"].append(asdict(point))
+                bar.set_postfix(c=c, p=p, tok_s=f"{point.output_throughput:.0f}")
+                bar.update()
+            measured = next(
+                (
+                    pt["concurrency"]
+                    for pt in result["points"]
+                    if pt["prompt_len"] == p and pt["saturated"]
+                ),
+                None,
+            )
+            result["saturation"][str(p)] = {
+                "measured_concurrency": measured,
+                "estimated_concurrency": kv_tokens / (p + max_tokens),
+            }
+    return result

@@ -1,0 +1,162 @@
+"""Every step on the tiny demo model, through the real pipeline: quantize, distill, lora, merge."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from compress.artifact import MANIFEST, artifact_from_manifest
+from workbench.artifact_eval import evaluate
+from workbench.pipeline import Pipeline, PipelineError
+from workbench.recipe import load_recipe
+
+RECIPE = """\
+name: steps
+base: demo-tiny
+variants:
+  - {name: base, steps: []}
+  - {name: int8, steps: [{quantize: {method: bnb-int8}}]}
+  - {name: nf4, steps: [{quantize: {method: bnb-nf4, double_quant: true}}]}
+  - {name: fp4, steps: [{quantize: {method: bnb-fp4}}]}
+  - {name: int8wo, steps: [{quantize: {method: int8-wo}}]}
+  - {name: kd, steps: [{distill: {layers: 1, steps: 30, batch_size: 4, seq_len: 64, eval_every: 10, checkpoint_every: 10}}]}
+  - {name: ce, steps: [{distill: {layers: 1, steps: 30, batch_size: 4, seq_len: 64, kd: false, eval_every: 0}}]}
+  - {name: lora, steps: [{lora: {rank: 4, steps: 60, batch_size: 8, seq_len: 64, lr: 0.01, targets: [q_proj, v_proj, re:.*mlp\\..*_proj]}}]}
+  - {name: qlora, steps: [{quantize: {method: bnb-nf4}}, {lora: {rank: 4, steps: 60, batch_size: 8, seq_len: 64, lr: 0.01}}]}
+  - {name: merged, steps: [{lora: {rank: 4, steps: 10, batch_size: 4, seq_len: 64}}, merge: {}]}
+"""
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("steps")
+    (root / "recipe.yaml").write_text(RECIPE)
+    recipe, base = load_recipe(root / "recipe.yaml")
+    results = Pipeline(recipe, base, root / "work", evaluate=evaluate).run()
+    return {r.name: {"path": r.path, **r.manifest} for r in results}
+
+
+def _layer(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path).model.layers[0].self_attn.q_proj
+
+
+def test_quantized_variants_load_with_their_layer_types(built: dict[str, dict]) -> None:
+    import bitsandbytes as bnb
+
+    assert isinstance(_layer(built["int8"]["path"]), bnb.nn.Linear8bitLt)
+    assert isinstance(_layer(built["nf4"]["path"]), bnb.nn.Linear4bit)
+    config = json.loads((built["nf4"]["path"] / "config.json").read_text())["quantization_config"]
+    assert config["bnb_4bit_quant_type"] == "nf4" and config["bnb_4bit_use_double_quant"] is True
+    assert "lm_head" in config["llm_int8_skip_modules"]
+    assert type(_layer(built["int8wo"]["path"]).weight).__name__ == "Int8Tensor"
+    for name in ("int8", "nf4", "fp4", "int8wo"):
+        m = built[name]
+        assert m["quantization"] == m["steps"][0]["params"]["method"]
+        assert m["eval"]["bytes_in_memory"] < built["base"]["eval"]["bytes_in_memory"]
+
+
+def test_quantization_keeps_perplexity_close(built: dict[str, dict]) -> None:
+    base = built["base"]["eval"]["perplexity_corpus"]
+    assert built["int8"]["eval"]["perplexity_corpus"] == pytest.approx(base, rel=0.02)
+    assert built["int8wo"]["eval"]["perplexity_corpus"] == pytest.approx(base, rel=0.02)
+    assert built["nf4"]["eval"]["perplexity_corpus"] == pytest.approx(base, rel=0.15)
+
+
+def test_distilled_student_keeps_fewer_layers_and_resumes_from_checkpoints(
+    built: dict[str, dict],
+) -> None:
+    kd, ce = built["kd"], built["ce"]
+    assert AutoModelForCausalLM.from_pretrained(kd["path"]).config.num_hidden_layers == 1
+    assert kd["info"]["kept_layers"] == [0]
+    assert [s for s, _ in kd["info"]["validation_perplexity_by_step"]] == [10, 20, 30]
+    assert kd["parameters"] < built["base"]["parameters"]
+    assert (
+        ce["steps"][0]["params"]["kd"] is False
+        and kd["info"]["final_loss"] != ce["info"]["final_loss"]
+    )
+
+
+def test_lora_adapter_is_a_peft_dir_that_lowers_shifted_perplexity(built: dict[str, dict]) -> None:
+    lora = built["lora"]
+    assert lora["kind"] == "adapter"
+    files = sorted(p.name for p in lora["path"].iterdir())
+    assert "adapter_config.json" in files and "adapter_model.safetensors" in files
+    assert not any(f.endswith(".bin") for f in files)
+    with safe_open(str(lora["path"] / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any("q_proj.lora_A" in k for k in keys) and any("mlp.up_proj.lora_B" in k for k in keys)
+    assert lora["parent"]["path"] == built["base"]["parent"]["path"]
+    assert lora["eval"]["trainable_parameters"] == lora["info"]["trainable_parameters"] > 0
+    assert lora["eval"]["perplexity_shift"] < 0.8 * built["base"]["eval"]["perplexity_shift"]
+
+
+def test_qlora_trains_on_the_nf4_artifact(built: dict[str, dict]) -> None:
+    qlora = built["qlora"]
+    assert qlora["kind"] == "adapter" and qlora["info"]["qlora"] is True
+    parent = Path(qlora["parent"]["path"])
+    assert (
+        parent.parent.name == "artifacts"
+        and artifact_from_manifest(parent).quantization == "bnb-nf4"
+    )
+    assert qlora["eval"]["perplexity_shift"] < 0.8 * built["base"]["eval"]["perplexity_shift"]
+
+
+def test_merge_equals_peft_merge(built: dict[str, dict]) -> None:
+    from peft import PeftModel
+
+    merged = built["merged"]
+    adapter_dir = Path(merged["parent"]["path"])
+    base = AutoModelForCausalLM.from_pretrained(
+        json.loads((adapter_dir / MANIFEST).read_text())["parent"]["path"]
+    )
+    expected = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    got = AutoModelForCausalLM.from_pretrained(merged["path"])
+    x = torch.randint(10, 400, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(got(x).logits, expected(x).logits)
+
+
+@pytest.mark.parametrize(
+    ("steps", "words"),
+    [
+        (
+            "[{lora: {targets: [q_prj]}}]",
+            ["lora.targets: 'q_prj' matches no module", "close names: q_proj"],
+        ),
+        (
+            "[{lora: {}}, {quantize: {method: bnb-nf4}}]",
+            ["steps[1].quantize: cannot follow a step that makes a adapter"],
+        ),
+        (
+            "[{quantize: {method: bnb-nf4}}, {lora: {}}, merge: {}]",
+            ["merge needs a full-precision base"],
+        ),
+        (
+            "[{quantize: {method: bnb-int8}}, {distill: {layers: 1}}]",
+            ["a quantized teacher (bnb-int8)"],
+        ),
+        (
+            "[{quantize: {method: bnb-int8}}, {quantize: {method: bnb-nf4}}]",
+            ["already quantized (bnb-int8)"],
+        ),
+        ("[{distill: {layers: [0, 5]}}]", ["names a layer the teacher lacks (it has 2)"]),
+        ("[merge: {}]", ["merge: cannot follow a step that makes a model (it takes a adapter)"]),
+    ],
+)
+def test_impossible_steps_are_refused_before_anything_runs(
+    tmp_path: Path, steps: str, words: list[str]
+) -> None:
+    (tmp_path / "r.yaml").write_text(
+        f"name: bad\nbase: demo-tiny\nvariants:\n  - {{name: ok}}\n  - {{name: v, steps: {steps}}}\n"
+    )
+    recipe, base = load_recipe(tmp_path / "r.yaml")
+    with pytest.raises(PipelineError) as info:
+        Pipeline(recipe, base, tmp_path / "work").run()
+    message = str(info.value)
+    assert all(w in message for w in words), message
+    assert not (tmp_path / "work").exists()

@@ -1,0 +1,54 @@
+"""The HTTP load benchmark against a real server it starts: points, percentiles, saturation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from evals.load import percentiles
+from workbench.cli import main
+
+
+def test_percentiles() -> None:
+    p = percentiles([float(i) for i in range(1, 101)])
+    assert (p["p50"], p["p95"], p["p99"], p["mean"]) == (50.5, 95.05, 99.01, 50.5)
+
+
+def test_bench_finds_kv_saturation(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A KV cache of 16 blocks x 16 tokens holds 3.2 requests of 16 + 64 tokens: at 2 clients
+    nothing queues; at 8, requests wait while the cache is full."""
+    out = tmp_path / "bench.json"
+    # tiny model: 2 layers x 2 KV heads x 16 dims x 4 bytes x (K, V) = 512 bytes per token
+    code = main(
+        [
+            "bench",
+            str(tiny_model_dir),
+            "--concurrency",
+            "2,8",
+            "--prompt-len",
+            "16",
+            "--max-tokens",
+            "64",
+            "--requests",
+            "24",
+            "--out",
+            str(out),
+            "--kv-cache-memory",
+            str(16 * 16 * 512),
+            "--device",
+            "cpu",
+            "--max-num-seqs",
+            "16",
+        ]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["kv_tokens"] == 256
+    low, high = result["points"]
+    assert (low["concurrency"], high["concurrency"]) == (2, 8)
+    assert low["requests"] == high["requests"] == 24 and low["failed"] == high["failed"] == 0
+    assert not low["saturated"] and low["peak_waiting"] == 0
+    assert high["saturated"] and high["peak_kv_usage"] >= 0.9 and high["peak_waiting"] > 0
+    assert high["ttft"]["p95"] >= high["ttft"]["p50"] > 0 and high["output_throughput"] > 0
+    sat = result["saturation"]["16"]
+    assert sat["measured_concurrency"] == 8 and abs(sat["estimated_concurrency"] - 256 / 80) < 1e-9

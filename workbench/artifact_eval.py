@@ -1,0 +1,76 @@
+"""What every variant's manifest records about the loaded model: memory, load time, perplexities.
+
+Perplexity is measured on the demo corpora's validation splits (the base corpus and the shifted
+domain), with the variant's own tokenizer, over the first `EVAL_ROWS` rows of `SEQ_LEN` tokens:
+the same rows for every variant of a recipe, so the figures compare.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from compress import Artifact
+from compress.data import load_texts, token_rows
+from compress.distill import rows_perplexity
+
+EVAL_ROWS = 64
+SEQ_LEN = 128
+
+
+def load_for_eval(artifact: Artifact) -> torch.nn.Module:
+    """The model an artifact describes: the model itself, or an adapter on its base (PEFT)."""
+    from transformers import AutoModelForCausalLM
+
+    if artifact.kind == "adapter":
+        from peft import PeftModel
+
+        assert artifact.base is not None, "an adapter artifact names its base"
+        base = AutoModelForCausalLM.from_pretrained(
+            artifact.base, dtype=torch.float32, device_map="cpu"
+        )
+        return PeftModel.from_pretrained(base, artifact.path).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        artifact.path, dtype=torch.float32, device_map="cpu"
+    ).eval()
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor really holds: the inner tensors of a subclass (torchao's quantized
+    tensors report their logical float dtype), plus bitsandbytes' 4-bit block scales."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    total = t.numel() * t.element_size()
+    state = getattr(t, "quant_state", None)
+    if state is not None and getattr(state, "absmax", None) is not None:
+        total += tensor_bytes(state.absmax)
+    return total
+
+
+def memory_bytes(model: torch.nn.Module) -> int:
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # tied weights once
+    return sum(tensor_bytes(t) for t in tensors.values())
+
+
+def evaluate(artifact: Artifact) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    started = time.perf_counter()
+    model = load_for_eval(artifact)
+    load_seconds = time.perf_counter() - started
+    tok = AutoTokenizer.from_pretrained(artifact.path)
+    out: dict[str, Any] = {
+        "load_seconds": round(load_seconds, 3),
+        "bytes_in_memory": memory_bytes(model),
+        "parameters_loaded": sum(p.numel() for p in model.parameters()),
+        "trainable_parameters": sum(p.numel() for n, p in model.named_parameters() if "lora_" in n),
+        "eval_rows": EVAL_ROWS,
+        "eval_seq_len": SEQ_LEN,
+    }
+    for name in ("corpus", "shift"):
+        rows = token_rows(tok, load_texts(name, "validation"), SEQ_LEN)[:EVAL_ROWS]
+        out[f"perplexity_{name}"] = rows_perplexity(model, rows)
+    return out

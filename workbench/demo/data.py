@@ -1,0 +1,43 @@
+"""The demo's named data sets (`corpus`, `shift`) as local JSON-lines files for `datasets`.
+
+Written once into the cache dir, per split, from the shipped corpus snapshot and the generated
+shop log; registered with `compress.data` so recipe steps can name them (`data: shift`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from compress.artifact import atomic_dir
+from compress.data import register_data
+from workbench.demo import corpus, shifted
+from workbench.demo.cache import cache_dir
+from workbench.locking import file_lock
+
+# NOTE: bump when the text of a data set changes, so stale files are not reused.
+DATA_VERSION = 1
+
+
+def _texts(name: str) -> dict[str, list[str]]:
+    if name == "corpus":
+        return corpus.split_texts(corpus.load_documents())
+    return {split: shifted.documents(split) for split in ("train", "validation", "test")}
+
+
+def _files(name: str) -> dict[str, Path]:
+    root = cache_dir() / "data" / f"{name}-v{DATA_VERSION}"
+    splits = ("train", "validation", "test")
+    if not (root / "test.jsonl").exists():
+        with file_lock(root.parent / f"{root.name}.lock"):
+            if not (root / "test.jsonl").exists():
+                with atomic_dir(root) as tmp:
+                    for split, texts in _texts(name).items():
+                        lines = "".join(json.dumps({"text": t}) + "\n" for t in texts)
+                        (tmp / f"{split}.jsonl").write_text(lines)
+    return {split: root / f"{split}.jsonl" for split in splits}
+
+
+def register() -> None:
+    register_data("corpus", lambda: _files("corpus"))
+    register_data("shift", lambda: _files("shift"))
