@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from compress.artifact import Artifact, copy_side_files
 from compress.data import check_data, load_texts, token_rows
@@ -33,17 +33,42 @@ class LoraParams(StepParams):
     """Scale by alpha / sqrt(rank) instead of alpha / rank."""
     data: str = "shift"
     """A named data set (corpus, shift) or a local .jsonl/.json/.txt file."""
+    replay_data: str | None = None
+    """A second data set mixed into training (rehearsal), so the adapter keeps what the base
+    knew: e.g. `corpus` while learning `shift`."""
+    replay_fraction: float = Field(default=0.0, ge=0, lt=1)
+    """Share of training rows drawn from `replay_data`."""
     steps: int = Field(default=200, gt=0)
     lr: float = Field(default=2e-3, gt=0)
     batch_size: int = Field(default=8, gt=0)
     seq_len: int = Field(default=128, gt=1)
 
-    @field_validator("data")
+    @field_validator("data", "replay_data")
     @classmethod
-    def _data_exists(cls, value: str, info: ValidationInfo) -> str:
+    def _data_exists(cls, value: str | None, info: ValidationInfo) -> str | None:
         from pathlib import Path
 
+        if value is None:
+            return None
         return check_data(value, (info.context or {}).get("recipe_dir", Path.cwd()))
+
+    @model_validator(mode="after")
+    def _replay_pair(self) -> LoraParams:
+        if (self.replay_data is None) != (self.replay_fraction == 0):
+            raise ValueError("replay_data and replay_fraction go together: give both or neither")
+        return self
+
+
+def training_rows(p: LoraParams, tok: object, seed: int) -> torch.Tensor:
+    """The data's rows, plus replay rows making up `replay_fraction` of the result."""
+    rows = token_rows(tok, load_texts(p.data, "train"), p.seq_len)  # type: ignore[arg-type]
+    if p.replay_data is None:
+        return rows
+    replay = token_rows(tok, load_texts(p.replay_data, "train"), p.seq_len)  # type: ignore[arg-type]
+    wanted = round(len(rows) * p.replay_fraction / (1 - p.replay_fraction))
+    order = torch.randperm(len(replay), generator=torch.Generator().manual_seed(seed))
+    picked = replay[order[torch.arange(wanted) % len(replay)]]
+    return torch.cat([rows, picked])
 
 
 def _causal_lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -84,7 +109,7 @@ class Lora(Step):
         )
         model = get_peft_model(model, config)
         tok = AutoTokenizer.from_pretrained(artifact.path)
-        rows = token_rows(tok, load_texts(p.data, "train"), p.seq_len)
+        rows = training_rows(p, tok, ctx.seed)
         cfg = TrainConfig(
             p.steps,
             p.lr,

@@ -83,7 +83,7 @@ class ModelRunner:
         self, model: PreTrainedModel, cache: CacheConfig, device: torch.device, backend: str
     ) -> None:
         self.model, self.device, self.block_size = model, device, cache.block_size
-        self.layout = kv_layout(model, next(model.parameters()).dtype)
+        self.layout = kv_layout(model, model.get_input_embeddings().weight.dtype)
         self.backend = BACKENDS[backend]()
         self.num_blocks = self._num_blocks(cache)
         shape = (self.num_blocks, cache.block_size, self.layout.num_kv_heads, self.layout.head_dim)

@@ -166,7 +166,7 @@ class Pipeline:
         call = calls[-1]
         step = STEPS[call.name](call.params)
         checkpoints = self.work_dir / "checkpoints" / call.hash
-        ctx = StepContext(out_dir=Path(), seed=self.recipe.seed, checkpoint_dir=checkpoints)
+        ctx = StepContext(Path(), self.recipe.seed, _device(self.recipe.device), checkpoints)
         with atomic_dir(out) as tmp:
             started = time.perf_counter()
             with PeakMemory() as peak:
@@ -183,7 +183,8 @@ class Pipeline:
                     for c in calls
                 ],
                 "parent": parent,
-                "parameters": count_parameters(tmp),
+                "parameters": parameter_count(made.kind, tmp),
+                "stored_tensor_elements": count_parameters(tmp),
                 "bytes_on_disk": dir_bytes(tmp),
                 "wall_seconds": round(time.perf_counter() - started, 3),
                 "peak_memory_bytes": peak.bytes,
@@ -199,14 +200,35 @@ class Pipeline:
         return dataclasses.replace(made, path=out)
 
 
-def module_names(model_dir: Path) -> list[str]:
-    """Module names of the model in `model_dir`, from its config alone (no weights loaded)."""
+def _device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _meta_model(model_dir: Path) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
+    config.quantization_config = None  # the architecture only
     with torch.device("meta"):
-        return [n for n, _ in AutoModelForCausalLM.from_config(config).named_modules()]
+        return AutoModelForCausalLM.from_config(config)
+
+
+def module_names(model_dir: Path) -> list[str]:
+    """Module names of the model in `model_dir`, from its config alone (no weights loaded)."""
+    return [n for n, _ in _meta_model(model_dir).named_modules()]
+
+
+def parameter_count(kind: str, path: Path) -> int:
+    """A model's parameters as its architecture defines them (a quantized weight counts as many
+    parameters as the float one it replaces); an adapter's stored tensor elements."""
+    if kind == "adapter":
+        return count_parameters(path)
+    return sum(p.numel() for p in _meta_model(path).parameters())
 
 
 def _has_hash(path: Path, expected: str) -> bool:

@@ -101,6 +101,8 @@ class Recipe(_Strict):
     base: str
     """`demo`, `demo-tiny`, a local HF model dir (relative to the recipe file) or a hub id."""
     seed: int = 0
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where steps run: auto (cuda when available), cpu, cuda or cuda:N."""
     variants: list[Variant] = Field(min_length=1)
     evals: Evals = Evals()
     report: ReportSettings = ReportSettings()

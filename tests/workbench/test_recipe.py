@@ -25,7 +25,7 @@ BAD = {
     "unknown top-level key": (
         "name: x\nbase: demo-tiny\ncolour: red\nvariants: [{name: a}]\n",
         "colour",
-        ["unknown key 'colour'", "allowed keys: name, base, seed, variants, evals, report"],
+        ["unknown key 'colour'", "allowed keys: name, base, seed, device, variants, evals, report"],
     ),
     "missing base": ("name: x\nvariants: [{name: a}]\n", "base", ["missing required key 'base'"]),
     "variants not a list": (
