@@ -169,10 +169,13 @@ def ratio_summary(ours: SystemRuns, other: SystemRuns) -> tuple[float, float, fl
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
+BLOCK_SIZE = 16
+
+
 def engine_for(model_dir: Path, kv_bytes: int, max_num_seqs: int = 256) -> LLMEngine:
     return LLMEngine(
         ModelConfig(str(model_dir), dtype="float32", device="cpu"),
-        CacheConfig(block_size=16, kv_cache_bytes=kv_bytes),
+        CacheConfig(block_size=BLOCK_SIZE, kv_cache_bytes=kv_bytes),
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, max_model_len=2048),
     )
 
@@ -265,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64, help="requests per workload")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--out", default="reports/bench-engine.json", help="JSON results file")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size of the engine")
     args = parser.parse_args(argv)
+    global BLOCK_SIZE
+    BLOCK_SIZE = args.block_size
     torch.set_num_threads(args.threads)
     demo = ensure_demo_model("demo")
     dirs = {

@@ -13,12 +13,14 @@ import itertools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from serve.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.kv_cache_manager import cdiv
+from serve.lora.manager import AdapterManager, LoraConfig
 from serve.model_runner import ModelRunner, load_model, resolve_device, resolve_dtype
 from serve.request import FinishReason, Request
 from serve.sampler import SampleInput, Sampler, token_logprobs
@@ -65,6 +67,7 @@ class LLMEngine:
         scheduler: SchedulerConfig | None = None,
         seed: int = 0,
         loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         device = resolve_device(model.device)
         dtype = resolve_dtype(model.dtype, device)
@@ -77,7 +80,11 @@ class LLMEngine:
         )
         backend = "sdpa" if model.attention_backend == "auto" else model.attention_backend
         self.runner = ModelRunner(hf_model, cache, device, backend)
-        self.scheduler = Scheduler(scheduler, self.runner.num_blocks, cache.block_size)
+        self.adapters = (
+            AdapterManager(hf_model, lora, device, self.runner.layout.dtype) if lora else None
+        )
+        max_loras = lora.max_loras if lora else None
+        self.scheduler = Scheduler(scheduler, self.runner.num_blocks, cache.block_size, max_loras)
         self.sampler = Sampler(seed)
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         self._arrivals = itertools.count()
@@ -97,7 +104,7 @@ class LLMEngine:
         adapter_id: int | None = None,
     ) -> Request:
         token_ids = self.tokenize(prompt)
-        self._validate(request_id, token_ids, params)
+        self._validate(request_id, token_ids, params, adapter_id)
         request = Request(
             request_id,
             token_ids,
@@ -110,11 +117,17 @@ class LLMEngine:
         self._texts[request_id] = ""
         return request
 
-    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, adapter_id: int | None
+    ) -> None:
         limit = self.scheduler_config.max_model_len
         capacity = self.runner.num_blocks * self.cache_config.block_size
         if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if adapter_id is not None and (
+            self.adapters is None or adapter_id not in self.adapters.versions
+        ):
+            raise InvalidRequest(f"adapter version {adapter_id} is not loaded")
         if not token_ids:
             raise InvalidRequest("the prompt is empty; give at least one token")
         if bad := [t for t in token_ids if not 0 <= t < self.vocab_size]:
@@ -146,6 +159,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         clock.lap("schedule")
         inputs = self.runner.prepare(out)
+        if self.adapters is not None:
+            self.adapters.prepare_step(self._adapter_rows(out))
         clock.lap("prepare")
         logits = self.runner.forward(inputs)
         clock.lap("model")
@@ -155,6 +170,8 @@ class LLMEngine:
         requests = {c.request_id: self.scheduler.requests[c.request_id] for c in out.chunks}
         finished = self.scheduler.update(out, tokens)
         outputs = self._outputs(requests, tokens, finished)
+        if finished and self.adapters is not None:
+            self.adapters.release(self.adapters_in_use())
         clock.lap("update")
         self.num_steps += 1
         self.last_step_tokens = out.num_tokens
@@ -192,6 +209,34 @@ class LLMEngine:
                 if target == len(request.prompt_logprobs) and target < request.num_prompt_tokens:
                     token = request.prompt_token_ids[target]
                     request.prompt_logprobs.append(token_logprobs(logits[first + i], token, top_n))
+
+    def _adapter_rows(self, out: SchedulerOutput) -> list[tuple[int, torch.Tensor]]:
+        """(adapter version, flat token rows) for the step's chunks that use an adapter."""
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for chunk in out.chunks:
+            n = len(chunk.token_ids)
+            if chunk.adapter_id is not None:
+                rows.setdefault(chunk.adapter_id, []).extend(range(start, start + n))
+            start += n
+        device = self.runner.device
+        return [(v, torch.tensor(r, dtype=torch.long, device=device)) for v, r in rows.items()]
+
+    def adapters_in_use(self) -> set[int]:
+        return {r.adapter_id for r in self.scheduler.requests.values() if r.adapter_id is not None}
+
+    def load_lora(self, name: str, path: str) -> int:
+        """Load (or reload: a new version) an adapter between steps; running requests keep theirs."""
+        if self.adapters is None:
+            raise InvalidRequest(
+                "this engine was started without LoRA support (give it a LoraConfig)"
+            )
+        return self.adapters.load(name, Path(path), self.adapters_in_use())
+
+    def unload_lora(self, name: str) -> int:
+        if self.adapters is None:
+            raise InvalidRequest("this engine was started without LoRA support")
+        return self.adapters.unload(name, self.adapters_in_use())
 
     def _wants_token(self, request_id: str) -> bool:
         return self.scheduler.requests[request_id].sampling_params.max_tokens > 0

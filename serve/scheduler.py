@@ -50,8 +50,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        max_loras: int | None = None,
+    ) -> None:
         self.config = config
+        self.max_loras = max_loras
+        """Most distinct adapters in one step (None: adapters are not served)."""
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, block_size)
         self.waiting: deque[Request] = deque()
@@ -81,7 +89,7 @@ class Scheduler:
             else:
                 scheduled.append((request, num_new))
                 budget -= num_new
-        while self.waiting and budget > 0 and not preempted and self._can_admit():
+        while self.waiting and budget > 0 and not preempted and self._can_admit(self.waiting[0]):
             num_new = self._admit(self.waiting[0], budget)
             if num_new is None:
                 break
@@ -91,8 +99,13 @@ class Scheduler:
             [self._chunk(r, n) for r, n in scheduled], [r.request_id for r in preempted]
         )
 
-    def _can_admit(self) -> bool:
-        return len(self.running) < self.config.max_num_seqs
+    def _can_admit(self, request: Request) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        if request.adapter_id is None or self.max_loras is None:
+            return True
+        adapters = {r.adapter_id for r in self.running if r.adapter_id is not None}
+        return request.adapter_id in adapters or len(adapters) < self.max_loras
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Adopt prefix hits and allocate for the first chunk; None if blocks are short."""

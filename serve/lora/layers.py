@@ -1,0 +1,114 @@
+"""LoRA-wrapped linear layers that serve many adapters in one batch.
+
+Model: every adaptable linear layer keeps its original module (float, bitsandbytes int8/4-bit,
+torchao: whatever it is) and gains slot-stacked LoRA weights: A [slots, R, in], B [slots, out, R]
+and a scaling per slot, padded to the server's max rank R (zero rows / columns add nothing).
+Slot 0 is "no adapter". For each step the manager sets, on the shared `StepSlots`, which flat
+token rows use which slot; the layer adds `(x @ A[s]^T) @ B[s]^T * scaling[s]` to those rows,
+one small matmul pair per distinct adapter in the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class StepSlots:
+    """Per step: (slot, token rows) for every adapter in the batch; empty when none."""
+
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+class LoraLinear(nn.Module):
+    def __init__(
+        self,
+        base: nn.Module,
+        in_features: int,
+        out_features: int,
+        num_slots: int,
+        max_rank: int,
+        step: StepSlots,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.in_features, self.out_features = in_features, out_features
+        self.step = step
+        self.register_buffer(
+            "lora_a",
+            torch.zeros(num_slots, max_rank, in_features, device=device, dtype=dtype),
+            persistent=False,
+        )
+        self.register_buffer(
+            "lora_b",
+            torch.zeros(num_slots, out_features, max_rank, device=device, dtype=dtype),
+            persistent=False,
+        )
+        self.register_buffer(
+            "scaling", torch.zeros(num_slots, device=device, dtype=dtype), persistent=False
+        )
+
+    def set_slot(
+        self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, scaling: float
+    ) -> None:
+        """Write one adapter's weights into a slot (None: this adapter leaves the layer alone)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.scaling[slot] = 0.0 if a is None else scaling
+        if a is not None and b is not None:
+            self.lora_a[slot, : a.shape[0]] = a.to(self.lora_a.dtype)
+            self.lora_b[slot, :, : b.shape[1]] = b.to(self.lora_b.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if not self.step.groups:
+            return y
+        flat_x = x.reshape(-1, self.in_features)
+        flat_y = y.reshape(-1, self.out_features).clone()
+        for slot, rows in self.step.groups:
+            xs = flat_x.index_select(0, rows).to(self.lora_a.dtype)
+            delta = (xs @ self.lora_a[slot].T) @ self.lora_b[slot].T * self.scaling[slot]
+            flat_y.index_add_(0, rows, delta.to(flat_y.dtype))
+        return flat_y.view_as(y)
+
+
+def adaptable_linears(model: nn.Module) -> dict[str, tuple[nn.Module, int, int]]:
+    """Linear layers inside the decoder layers (not the head): name -> (module, in, out).
+    Works for float, bitsandbytes and torchao linear layers alike."""
+    out = {}
+    for name, module in model.named_modules():
+        in_f, out_f = getattr(module, "in_features", None), getattr(module, "out_features", None)
+        if (
+            ".layers." in name
+            and isinstance(in_f, int)
+            and isinstance(out_f, int)
+            and not isinstance(module, LoraLinear)
+        ) and not any(
+            isinstance(c, nn.Module) and hasattr(c, "in_features") for c in module.children()
+        ):
+            out[name] = (module, in_f, out_f)
+    return out
+
+
+def wrap(
+    model: nn.Module,
+    num_slots: int,
+    max_rank: int,
+    step: StepSlots,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, LoraLinear]:
+    """Replace every adaptable linear layer by a LoraLinear around it; return them by name."""
+    wrapped = {}
+    for name, (module, in_f, out_f) in adaptable_linears(model).items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        layer = LoraLinear(module, in_f, out_f, num_slots, max_rank, step, device, dtype)
+        setattr(parent, attr, layer)
+        wrapped[name] = layer
+    return wrapped

@@ -1,0 +1,129 @@
+"""The adapter manager: a host registry of loaded adapters and the device slots they run in.
+
+Model: a name maps to its current *version* (an adapter id, never reused). Loading a name again
+makes a new version; requests already running keep the version they started with (their
+`adapter_id`), new ones get the new version. Unloading removes the name; running requests keep
+their version until they finish. A version is kept on the host while a request uses it or while
+it is current (at most `max_cpu_loras` current ones, least recently used dropped first). Before a
+step, each version the step uses gets one of `max_loras` device slots (slot 0 is "no adapter"),
+evicting the least recently used slot that the step does not use; the scheduler never puts more
+than `max_loras` distinct versions in one step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from serve.lora.adapter import Adapter, AdapterError, load_adapter
+from serve.lora.layers import LoraLinear, StepSlots, wrap
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    max_loras: int = 4
+    """Distinct adapters in one step (device slots)."""
+    max_lora_rank: int = 16
+    """Largest rank served; every slot is padded to it."""
+    max_cpu_loras: int = 16
+    """Adapters kept loaded on the host."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class AdapterManager:
+    def __init__(
+        self, model: nn.Module, config: LoraConfig, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.config = config
+        self.step = StepSlots()
+        self.layers: dict[str, LoraLinear] = wrap(
+            model, config.max_loras + 1, config.max_lora_rank, self.step, device, dtype
+        )
+        self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
+        self.device = device
+        self.current: OrderedDict[str, int] = OrderedDict()
+        """name -> current version, least recently used first."""
+        self.versions: dict[int, Adapter] = {}
+        self.names: dict[int, str] = {}
+        self.slots: OrderedDict[int, int] = OrderedDict()
+        """version -> device slot, least recently used first."""
+        self._next_id = 1
+        self.load_seconds: list[float] = []
+
+    def load(self, name: str, path: Path, in_use: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+        """Read and register an adapter; a name that exists gets a new version. Raises
+        AdapterError, changing nothing, when the adapter cannot be served."""
+        started = time.perf_counter()
+        adapter = load_adapter(path, self.shapes, self.config.max_lora_rank)
+        version, self._next_id = self._next_id, self._next_id + 1
+        self.versions[version] = adapter
+        self.names[version] = name
+        self.current[name] = version
+        self.current.move_to_end(name)
+        self.release(in_use)
+        self.load_seconds.append(time.perf_counter() - started)
+        return version
+
+    def unload(self, name: str, in_use: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+        if name not in self.current:
+            raise AdapterError(f"no adapter named {name!r} is loaded")
+        version = self.current.pop(name)
+        self.release(in_use)
+        return version
+
+    def resolve(self, name: str) -> int | None:
+        version = self.current.get(name)
+        if version is not None:
+            self.current.move_to_end(name)
+        return version
+
+    def release(self, in_use: set[int]) -> None:
+        """Drop versions no longer current and not in use; keep at most max_cpu_loras current."""
+        while len(self.current) > self.config.max_cpu_loras:
+            self.current.popitem(last=False)
+        keep = set(self.current.values()) | set(in_use)
+        for version in [v for v in self.versions if v not in keep]:
+            del self.versions[version]
+            del self.names[version]
+            self.slots.pop(version, None)
+
+    def prepare_step(self, token_versions: list[tuple[int, torch.Tensor]]) -> None:
+        """Give each (version, token rows) of the step a slot and point the layers at them."""
+        used = {v for v, _ in token_versions}
+        assert len(used) <= self.config.max_loras, "the scheduler caps distinct adapters per step"
+        groups = []
+        for version, rows in token_versions:
+            groups.append((self._slot_for(version, used), rows))
+        self.step.groups = groups
+
+    def _slot_for(self, version: int, used: set[int]) -> int:
+        if version in self.slots:
+            self.slots.move_to_end(version)
+            return self.slots[version]
+        taken = set(self.slots.values())
+        free = [s for s in range(1, self.config.max_loras + 1) if s not in taken]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(v for v in self.slots if v not in used)
+            slot = self.slots.pop(victim)
+        adapter = self.versions[version]
+        for name, layer in self.layers.items():
+            w = adapter.modules.get(name)
+            layer.set_slot(
+                slot,
+                None if w is None else w.a,
+                None if w is None else w.b,
+                0.0 if w is None else w.scaling,
+            )
+        self.slots[version] = slot
+        return slot
