@@ -8,8 +8,10 @@ API key, every route but /health needs `Authorization: Bearer KEY`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,8 +20,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.async_engine import AsyncEngine, EngineDeadError
+from serve.async_engine import AsyncEngine, EngineDeadError, UnknownAdapter
 from serve.engine import InvalidRequest
+from serve.lora.adapter import AdapterError
 from serve.openai_responses import chat_choice, completion_choice
 from serve.openai_serving import (
     Job,
@@ -36,7 +39,13 @@ from serve.openai_serving import (
     sse,
     usage,
 )
-from serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoraRequest,
+    UnloadLoraRequest,
+    error_body,
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,8 @@ class ServerSettings:
     """Most requests queued (not yet running); beyond it, 503 with Retry-After."""
     max_body_bytes: int = 4 << 20
     """Larger request bodies get 413."""
+    lora_root: Path | None = None
+    """When set, adapters load only from inside this directory (symlinks resolved)."""
 
 
 def _error(
@@ -171,18 +182,17 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return _error(500, str(exc))
 
-    def admit(model: str, num_requests: int) -> None:
-        if model != settings.model_name:
-            raise RequestError(
-                404,
-                f"model {model!r} does not exist; this server serves "
-                f"{settings.model_name!r} (GET /v1/models)",
-                "model",
-                "model_not_found",
-            )
+    def admit(model: str, num_requests: int) -> str | None:
+        """The adapter the request runs on (None: the base); 404 / 503 when it cannot run."""
+        if model != settings.model_name and model not in engine.adapter_names():
+            raise _model_not_found(model, settings.model_name)
         queued = engine.num_unfinished - engine.stats.num_running
         if queued + num_requests > settings.max_waiting:
             raise _Busy(settings.max_waiting)
+        if model != settings.model_name:
+            engine.metrics.observe_lora_request(model)
+            return model
+        return None
 
     @app.exception_handler(_Busy)
     async def busy(_: Request, exc: _Busy) -> JSONResponse:
@@ -196,6 +206,32 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok" if engine.dead is None else "engine failed"}
 
+    @app.exception_handler(UnknownAdapter)
+    async def unknown_adapter(_: Request, exc: UnknownAdapter) -> JSONResponse:
+        error = _model_not_found(str(exc.args[0]), settings.model_name)
+        return _error(error.status, error.message, error.param, error.code)
+
+    @app.exception_handler(AdapterError)
+    async def bad_adapter(_: Request, exc: AdapterError) -> JSONResponse:
+        return _error(400, str(exc), "lora_path")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(body: LoadLoraRequest) -> dict[str, Any]:
+        if body.lora_name == settings.model_name:
+            raise RequestError(
+                400,
+                f"lora_name {body.lora_name!r} is the base model's name; pick another",
+                "lora_name",
+            )
+        path = _adapter_path(body.lora_path, settings.lora_root)
+        version = await engine.load_lora(body.lora_name, path)
+        return {"status": "loaded", "lora_name": body.lora_name, "version": version}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(body: UnloadLoraRequest) -> dict[str, Any]:
+        version = await engine.unload_lora(body.lora_name)
+        return {"status": "unloaded", "lora_name": body.lora_name, "version": version}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {
@@ -207,7 +243,19 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             "parent": None,
             "max_model_len": max_len,
         }
-        return {"object": "list", "data": [card]}
+        adapters = [
+            {
+                "id": name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "workbench",
+                "root": name,
+                "parent": settings.model_name,
+                "max_model_len": max_len,
+            }
+            for name in engine.adapter_names()
+        ]
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -216,7 +264,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         job = completion_job(body, tok, max_len)
-        admit(body.model, len(job.params))
+        job = dataclasses.replace(job, adapter=admit(body.model, len(job.params)))
         rid = completion_id()
         tracked = await add_all(engine, rid, job)
         if body.stream:
@@ -262,7 +310,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         job = chat_job(body, tok, max_len)
-        admit(body.model, len(job.params))
+        job = dataclasses.replace(job, adapter=admit(body.model, len(job.params)))
         rid = chat_id()
         tracked = await add_all(engine, rid, job)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
@@ -324,6 +372,32 @@ def _stream(events: AsyncIterator[str]) -> StreamingResponse:
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+def _model_not_found(model: str, base: str) -> RequestError:
+    return RequestError(
+        404,
+        f"model {model!r} does not exist; this server serves {base!r} and its "
+        "loaded adapters (GET /v1/models)",
+        "model",
+        "model_not_found",
+    )
+
+
+def _adapter_path(raw: str, root: Path | None) -> Path:
+    """The adapter dir, refused when it escapes `root` (`..` or symlinks)."""
+    path = Path(raw).expanduser()
+    if root is None:
+        return path
+    resolved = (root / path).resolve() if not path.is_absolute() else path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise RequestError(
+            400,
+            f"lora_path {raw!r} is outside the adapter root {str(root)!r}; "
+            "adapters load only from inside it",
+            "lora_path",
+        )
+    return resolved
 
 
 class _Busy(Exception):

@@ -17,15 +17,20 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
-from serve.engine import LLMEngine, RequestOutput
+from serve.engine import InvalidRequest, LLMEngine, RequestOutput
 from serve.metrics import ServerMetrics
 from serve.sampling_params import SamplingParams
 from serve.stats import EngineStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class UnknownAdapter(LookupError):
+    """A request names an adapter that is not loaded."""
 
 
 class EngineDeadError(RuntimeError):
@@ -85,16 +90,52 @@ class AsyncEngine:
         self._wake.set()
         return asyncio.wrap_future(future)
 
-    async def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> Tracked:
-        """Queue a request; raises `InvalidRequest` (from the engine) when it is refused."""
+    async def add(
+        self, request_id: str, prompt: list[int], params: SamplingParams, adapter: str | None = None
+    ) -> Tracked:
+        """Queue a request (on adapter `adapter`'s current version); raises `InvalidRequest`
+        when it is refused and `UnknownAdapter` when the adapter is not loaded (any more)."""
         tracked = Tracked(request_id, asyncio.Queue(), time.perf_counter(), len(prompt))
         self._tracked[request_id] = tracked
+
+        def add() -> None:
+            version = None
+            if adapter is not None:
+                version = self.engine.adapters.resolve(adapter) if self.engine.adapters else None
+                if version is None:
+                    raise UnknownAdapter(adapter)
+            self.engine.add_request(request_id, prompt, params, adapter_id=version)
+
         try:
-            await self._call(lambda: self.engine.add_request(request_id, prompt, params))
+            await self._call(add)
         except BaseException:
             self._tracked.pop(request_id, None)
             raise
         return tracked
+
+    async def load_lora(self, name: str, path: Path) -> int:
+        """Read the adapter off the engine thread, then register it between two steps."""
+        manager = self.engine.adapters
+        if manager is None:
+            raise InvalidRequest(
+                "LoRA serving is off; start the server with --max-loras N (or --lora)"
+            )
+        started = time.perf_counter()
+        adapter = await asyncio.to_thread(manager.read, path)
+        version = await self._call(lambda: self.engine.register_lora(name, adapter))
+        self.metrics.observe_lora_load(time.perf_counter() - started, len(manager.current))
+        return version
+
+    async def unload_lora(self, name: str) -> int:
+        manager = self.engine.adapters
+        if manager is None or name not in manager.current:
+            raise UnknownAdapter(name)
+        version = await self._call(lambda: self.engine.unload_lora(name))
+        self.metrics.observe_lora_load(None, len(manager.current))
+        return version
+
+    def adapter_names(self) -> list[str]:
+        return list(self.engine.adapters.current) if self.engine.adapters else []
 
     async def abort(self, request_id: str) -> None:
         if self._tracked.pop(request_id, None) is not None and self.dead is None:

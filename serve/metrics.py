@@ -107,6 +107,19 @@ class ServerMetrics:
             ["model_name", "block_size", "num_blocks"],
             registry=r,
         )
+        self.lora_loaded = Gauge(
+            "workbench:lora_loaded_adapters", "Adapters loaded.", labels, registry=r
+        )
+        self.lora_requests = Counter(
+            "workbench:lora_requests", "Requests per adapter.", [*labels, "adapter"], registry=r
+        )
+        self.lora_load = Histogram(
+            "workbench:lora_load_seconds",
+            "Adapter load time (read + register).",
+            labels,
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
         self.model_name = model_name
         self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0)
 
@@ -133,6 +146,14 @@ class ServerMetrics:
         self.finished.labels(self.model_name, reason).inc()
         self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
         self.e2e.labels(self.model_name).observe(seconds)
+
+    def observe_lora_load(self, seconds: float | None, loaded: int) -> None:
+        if seconds is not None:
+            self.lora_load.labels(self.model_name).observe(seconds)
+        self.lora_loaded.labels(self.model_name).set(loaded)
+
+    def observe_lora_request(self, adapter: str) -> None:
+        self.lora_requests.labels(self.model_name, adapter).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

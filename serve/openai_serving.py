@@ -42,6 +42,8 @@ class Job:
     """One per choice (prompt-major)."""
     n: int
     echo: bool = False
+    adapter: str | None = None
+    """The LoRA adapter every choice runs on (None: the base model)."""
 
 
 def check_lengths(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> None:
@@ -94,9 +96,8 @@ async def add_all(engine: AsyncEngine, base_id: str, job: Job) -> list[Tracked]:
     try:
         for p, prompt in enumerate(job.prompts):
             for i in range(job.n):
-                added.append(
-                    await engine.add(f"{base_id}-{p}-{i}", prompt, job.params[p * job.n + i])
-                )
+                params = job.params[p * job.n + i]
+                added.append(await engine.add(f"{base_id}-{p}-{i}", prompt, params, job.adapter))
     except BaseException:
         for t in added:
             await engine.abort(t.request_id)

@@ -142,3 +142,14 @@ def error_body(
 ) -> dict[str, Any]:
     """The OpenAI error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class LoadLoraRequest(_Strict):
+    lora_name: Annotated[
+        str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+    ]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoraRequest(_Strict):
+    lora_name: Annotated[str, Field(min_length=1)]

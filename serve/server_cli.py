@@ -15,7 +15,9 @@ from compress.artifact import MANIFEST
 from serve.api_server import ServerSettings, build_app
 from serve.async_engine import AsyncEngine
 from serve.config import CacheConfig, ModelConfig, SchedulerConfig
-from serve.engine import LLMEngine
+from serve.engine import InvalidRequest, LLMEngine
+from serve.lora.adapter import AdapterError
+from serve.lora.manager import LoraConfig
 from serve.metrics import ServerMetrics
 
 
@@ -124,10 +126,29 @@ def served_name(model: str) -> str:
     return path.name if path.exists() else model
 
 
+def lora_config(args: argparse.Namespace) -> LoraConfig | None:
+    if args.max_loras is None and not args.lora:
+        return None
+    return LoraConfig(args.max_loras or 4, args.max_lora_rank, args.max_cpu_loras)
+
+
+def initial_loras(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    pairs = []
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(
+                f"--lora {spec!r}: give NAME=PATH, e.g. --lora shop=runs/demo/variants/shop-lora"
+            )
+        pairs.append((name, Path(path)))
+    return pairs
+
+
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     if args.threads:
         torch.set_num_threads(args.threads)
-    return LLMEngine(
+    loras = initial_loras(args)
+    engine = LLMEngine(
         ModelConfig(args.model, args.dtype, args.device, args.attention_backend),
         CacheConfig(args.block_size, args.kv_cache_memory, args.kv_cache_fraction),
         SchedulerConfig(
@@ -137,7 +158,14 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
             not args.no_prefix_caching,
         ),
         seed=args.seed,
+        lora=lora_config(args),
     )
+    for name, path in loras:
+        try:
+            engine.load_lora(name, str(path))
+        except (AdapterError, InvalidRequest) as e:
+            raise SystemExit(f"--lora {name}={path}: {e}") from None
+    return engine
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -146,7 +174,9 @@ def run_server(args: argparse.Namespace) -> int:
     )
     name = args.served_model_name or served_name(args.model)
     engine = build_engine(args)
-    settings = ServerSettings(name, args.api_key, args.max_waiting, args.max_body_bytes)
+    settings = ServerSettings(
+        name, args.api_key, args.max_waiting, args.max_body_bytes, args.lora_root
+    )
     app = build_app(AsyncEngine(engine, ServerMetrics(name)), settings)
     logging.getLogger("workbench").info(
         "serving %r: %d KV blocks of %d tokens (%d tokens, %.1f MiB)",

@@ -59,19 +59,26 @@ class AdapterManager:
         self._next_id = 1
         self.load_seconds: list[float] = []
 
-    def load(self, name: str, path: Path, in_use: set[int] = frozenset()) -> int:  # type: ignore[assignment]
-        """Read and register an adapter; a name that exists gets a new version. Raises
-        AdapterError, changing nothing, when the adapter cannot be served."""
+    def read(self, path: Path) -> Adapter:
+        """Read and check an adapter (no state changes: safe off the engine thread)."""
         started = time.perf_counter()
         adapter = load_adapter(path, self.shapes, self.config.max_lora_rank)
+        self.load_seconds.append(time.perf_counter() - started)
+        return adapter
+
+    def register(self, name: str, adapter: Adapter, in_use: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+        """Make `adapter` the current version of `name` (a new version if the name exists)."""
         version, self._next_id = self._next_id, self._next_id + 1
         self.versions[version] = adapter
         self.names[version] = name
         self.current[name] = version
         self.current.move_to_end(name)
         self.release(in_use)
-        self.load_seconds.append(time.perf_counter() - started)
         return version
+
+    def load(self, name: str, path: Path, in_use: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+        """Read and register; raises AdapterError, changing nothing, when it cannot be served."""
+        return self.register(name, self.read(path), in_use)
 
     def unload(self, name: str, in_use: set[int] = frozenset()) -> int:  # type: ignore[assignment]
         if name not in self.current:

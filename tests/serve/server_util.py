@@ -18,6 +18,7 @@ from serve.api_server import ServerSettings, build_app
 from serve.async_engine import AsyncEngine
 from serve.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.engine import LLMEngine
+from serve.lora.manager import LoraConfig
 from serve.metrics import ServerMetrics
 
 
@@ -46,6 +47,7 @@ def start_thread_server(
     num_blocks: int = 1024,
     max_num_seqs: int = 64,
     max_model_len: int = 512,
+    lora: LoraConfig | None = None,
     **settings: object,
 ) -> ThreadServer:
     engine = LLMEngine(
@@ -54,6 +56,7 @@ def start_thread_server(
         SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=max_model_len
         ),
+        lora=lora,
     )
     async_engine = AsyncEngine(engine, ServerMetrics(name))
     app = build_app(async_engine, ServerSettings(name, **settings))  # type: ignore[arg-type]

@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from serve import LLMEngine
+from serve.config import CacheConfig, ModelConfig, SchedulerConfig
 from tests.serve.conftest import make_cases
 from tests.serve.test_engine_exact import make_engine, run
 from workbench.pipeline import Pipeline
@@ -23,6 +25,7 @@ def quantized(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
         "  - {name: int8, steps: [{quantize: {method: bnb-int8}}]}\n"
         "  - {name: nf4, steps: [{quantize: {method: bnb-nf4}}]}\n"
         "  - {name: int8-wo, steps: [{quantize: {method: int8-wo}}]}\n"
+        "  - {name: qlora, steps: [{quantize: {method: bnb-nf4}}, {lora: {rank: 8, steps: 20, batch_size: 4, seq_len: 64, lr: 0.01}}]}\n"
     )
     recipe, base = load_recipe(root / "r.yaml")
     return {r.name: r.path for r in Pipeline(recipe, base, root / "work").run()}
@@ -49,3 +52,47 @@ def test_engine_greedy_equals_generate_on_quantized_model(
     outputs = run(engine, cases)
     same = sum(outputs[i] == expected[i] for i in range(len(cases)))
     assert same == len(cases), f"{variant}: {same}/{len(cases)} equal"
+
+
+def test_qlora_adapter_on_nf4_base_in_a_mixed_batch(quantized: dict[str, Path]) -> None:
+    """The nf4 base with its QLoRA adapter, mixed with plain nf4 requests in one batch, against
+    PEFT on the same nf4 model. Tolerance: exact greedy ids; bitsandbytes dequantizes the same
+    weights on both sides, so only float summation order differs."""
+    import json
+
+    from peft import PeftModel
+
+    from serve.lora.manager import LoraConfig
+    from tests.serve.test_lora_engine import run_all
+
+    adapter = quantized["qlora"]
+    base = Path(json.loads((adapter / "workbench.json").read_text())["parent"]["path"])
+    cases = make_cases(6, seed=9, vocab=500, max_prompt=40, max_out=12)
+    engine = LLMEngine(
+        ModelConfig(str(base), dtype="float32", device="cpu"),
+        CacheConfig(num_blocks=128),
+        SchedulerConfig(max_num_batched_tokens=128),
+        lora=LoraConfig(max_loras=2, max_lora_rank=8),
+    )
+    version = engine.load_lora("shop", str(adapter))
+    requests = [
+        (f"{i}-{a}", c.prompt, version if a == "lora" else None)
+        for i, c in enumerate(cases)
+        for a in ("lora", "base")
+    ]
+    outputs = run_all(engine, requests, 12)
+    plain = AutoModelForCausalLM.from_pretrained(base, device_map="cpu").eval()
+    with_adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, device_map="cpu"), adapter
+    ).eval()
+    with torch.inference_mode():
+        for i, c in enumerate(cases):
+            ids = torch.tensor([c.prompt])
+            for name, model in (("lora", with_adapter), ("base", plain)):
+                ref = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=12,
+                    do_sample=False,
+                )
+                assert outputs[f"{i}-{name}"] == ref[0, len(c.prompt) :].tolist(), f"{i}-{name}"

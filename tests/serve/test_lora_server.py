@@ -1,0 +1,252 @@
+"""Adapters over HTTP: load, select by model name, hot reload and unload under load, refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serve import SamplingParams
+from serve.lora.manager import LoraConfig
+from tests.serve.conftest import make_cases
+from tests.serve.server_util import ThreadServer, start_thread_server
+from tests.serve.test_lora_engine import ADAPTERS, lora_engine, make_adapter
+
+
+@pytest.fixture(scope="module")
+def adapter_root(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("lora-root")
+    for i, name in enumerate(["qv4", "ou2"]):
+        make_adapter(model_dirs["llama"], root / name, i, **ADAPTERS[name])
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs: dict[str, Path], adapter_root: Path) -> Iterator[ThreadServer]:
+    s = start_thread_server(
+        model_dirs["llama"],
+        lora=LoraConfig(max_loras=4, max_lora_rank=16),
+        max_waiting=1000,
+        lora_root=adapter_root,
+    )
+    yield s
+    s.stop()
+
+
+def post(server: ThreadServer, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=120)
+
+
+def expected_outputs(
+    model_dir: Path, adapter: Path | None, prompts: list[list[int]], max_tokens: int
+) -> list[str]:
+    engine = lora_engine(model_dir)
+    version = engine.load_lora("x", str(adapter)) if adapter else None
+    for i, p in enumerate(prompts):
+        engine.add_request(
+            str(i),
+            p,
+            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+            adapter_id=version,
+        )
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.text for o in engine.step() if o.finished})
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def test_load_select_and_list_adapters(
+    server: ThreadServer, model_dirs: dict[str, Path], adapter_root: Path
+) -> None:
+    r = post(
+        server,
+        "/v1/load_lora_adapter",
+        {"lora_name": "qv4", "lora_path": str(adapter_root / "qv4")},
+    )
+    assert r.status_code == 200 and r.json()["status"] == "loaded", r.text
+    models = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+    assert models["qv4"]["parent"] == "test-model" and models["test-model"]["parent"] is None
+    prompts = [c.prompt for c in make_cases(3, seed=21, vocab=500, max_prompt=30)]
+    want = expected_outputs(model_dirs["llama"], adapter_root / "qv4", prompts, 10)
+    base = expected_outputs(model_dirs["llama"], None, prompts, 10)
+    for p, w, b in zip(prompts, want, base):
+        body = {"prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        assert (
+            post(server, "/v1/completions", {**body, "model": "qv4"}).json()["choices"][0]["text"]
+            == w
+        )
+        assert (
+            post(server, "/v1/completions", {**body, "model": "test-model"}).json()["choices"][0][
+                "text"
+            ]
+            == b
+        )
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'workbench:lora_requests_total{adapter="qv4",model_name="test-model"} 3.0' in metrics
+    assert "workbench:lora_load_seconds_count" in metrics
+
+
+async def _stream(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
+) -> tuple[int, str]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 30,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    text = ""
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return r.status_code, (await r.aread()).decode()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return 200, text
+
+
+def test_hot_reload_and_unload_under_100_streams(
+    server: ThreadServer, model_dirs: dict[str, Path], adapter_root: Path
+) -> None:
+    prompts = [c.prompt for c in make_cases(100, seed=8, vocab=500, max_prompt=24)]
+    old = expected_outputs(model_dirs["llama"], adapter_root / "qv4", prompts, 30)
+    new = expected_outputs(model_dirs["llama"], adapter_root / "ou2", prompts, 30)
+    url = server.url
+
+    async def scenario() -> tuple[list, list, list]:
+        async with httpx.AsyncClient(
+            timeout=300, limits=httpx.Limits(max_connections=200)
+        ) as client:
+            await client.post(
+                f"{url}/v1/load_lora_adapter",
+                json={"lora_name": "shop", "lora_path": str(adapter_root / "qv4")},
+            )
+            first = [asyncio.ensure_future(_stream(client, url, "shop", p)) for p in prompts[:50]]
+            await asyncio.sleep(0.3)  # the first wave is running
+            reload = await client.post(
+                f"{url}/v1/load_lora_adapter",
+                json={"lora_name": "shop", "lora_path": str(adapter_root / "ou2")},
+            )
+            assert reload.status_code == 200
+            second = [asyncio.ensure_future(_stream(client, url, "shop", p)) for p in prompts[50:]]
+            await asyncio.sleep(0.3)
+            unload = await client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "shop"})
+            assert unload.status_code == 200
+            late = await _stream(client, url, "shop", prompts[0])
+            return await asyncio.gather(*first), await asyncio.gather(*second), [late]
+
+    first, second, (late,) = asyncio.run(scenario())
+    assert [s for s, _ in first + second] == [200] * 100
+    assert [t for _, t in first] == old[:50], (
+        "a request that started on the old adapter changed weights"
+    )
+    assert [t for _, t in second] == new[50:]
+    assert late[0] == 404 and "does not exist" in late[1]
+    engine = server.engine.engine
+    assert engine.adapters.versions.keys() <= {v for v in engine.adapters.current.values()}
+    assert engine.scheduler.pool.num_free_blocks == engine.runner.num_blocks
+
+
+def test_bad_adapters_get_400_and_the_server_keeps_serving(
+    server: ThreadServer, adapter_root: Path, tmp_path: Path, model_dirs: dict[str, Path]
+) -> None:
+    def copy(name: str) -> Path:
+        d = adapter_root / name
+        if not d.exists():
+            shutil.copytree(adapter_root / "qv4", d)
+        return d
+
+    (copy("pickle") / "adapter_model.safetensors").rename(
+        adapter_root / "pickle" / "adapter_model.bin"
+    )
+    (copy("corrupt") / "adapter_model.safetensors").write_bytes(b"\x00not safetensors")
+    (copy("notpeft") / "adapter_config.json").unlink()
+    config = json.loads((adapter_root / "qv4" / "adapter_config.json").read_text())
+    (copy("ia3") / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "IA3"}))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=512,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(tmp_path / "narrow")
+    make_adapter(tmp_path / "narrow", adapter_root / "narrow", 0, r=4, target_modules=["q_proj"])
+    make_adapter(model_dirs["llama"], adapter_root / "rank32", 0, r=32, target_modules=["q_proj"])
+    (adapter_root / "escape").symlink_to(tmp_path)
+    cases = [
+        ({"lora_name": "a", "lora_path": str(adapter_root / "missing")}, 400, "no such directory"),
+        ({"lora_name": "a", "lora_path": str(adapter_root / "notpeft")}, 400, "not a PEFT adapter"),
+        ({"lora_name": "a", "lora_path": str(adapter_root / "ia3")}, 400, "only LORA adapters"),
+        ({"lora_name": "a", "lora_path": str(adapter_root / "pickle")}, 400, "(pickle)"),
+        (
+            {"lora_name": "a", "lora_path": str(adapter_root / "corrupt")},
+            400,
+            "not a readable safetensors",
+        ),
+        (
+            {"lora_name": "a", "lora_path": str(adapter_root / "narrow")},
+            400,
+            "made for another base",
+        ),
+        (
+            {"lora_name": "a", "lora_path": str(adapter_root / "rank32")},
+            400,
+            "over the server's maximum of 16",
+        ),
+        (
+            {"lora_name": "a", "lora_path": str(adapter_root / ".." / "qv4")},
+            400,
+            "outside the adapter root",
+        ),
+        (
+            {"lora_name": "a", "lora_path": str(adapter_root / "escape" / "x")},
+            400,
+            "outside the adapter root",
+        ),
+        (
+            {"lora_name": "test-model", "lora_path": str(adapter_root / "qv4")},
+            400,
+            "base model's name",
+        ),
+        ({"lora_name": "a"}, 400, "missing required field 'lora_path'"),
+    ]
+    for body, status, words in cases:
+        r = post(server, "/v1/load_lora_adapter", body)
+        assert r.status_code == status and words in r.json()["error"]["message"], (body, r.text)
+    r = post(server, "/v1/unload_lora_adapter", {"lora_name": "never-loaded"})
+    assert r.status_code == 404
+    assert "a" not in [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
+    ok = post(server, "/v1/completions", {"model": "test-model", "prompt": "a", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_adapter_routes_need_the_api_key(model_dirs: dict[str, Path], adapter_root: Path) -> None:
+    s = start_thread_server(model_dirs["llama"], lora=LoraConfig(), api_key="k")
+    try:
+        body = {"lora_name": "x", "lora_path": str(adapter_root / "qv4")}
+        assert httpx.post(f"{s.url}/v1/load_lora_adapter", json=body).status_code == 401
+        ok = httpx.post(
+            f"{s.url}/v1/load_lora_adapter",
+            json=body,
+            headers={"authorization": "Bearer k"},
+            timeout=60,
+        )
+        assert ok.status_code == 200
+        assert (
+            httpx.post(f"{s.url}/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code
+            == 401
+        )
+    finally:
+        s.stop()
