@@ -169,7 +169,7 @@ def ratio_summary(ours: SystemRuns, other: SystemRuns) -> tuple[float, float, fl
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = 8
 
 
 def engine_for(model_dir: Path, kv_bytes: int, max_num_seqs: int = 256) -> LLMEngine:
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64, help="requests per workload")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--out", default="reports/bench-engine.json", help="JSON results file")
-    parser.add_argument("--block-size", type=int, default=16, help="KV block size of the engine")
+    parser.add_argument("--block-size", type=int, default=8, help="KV block size of the engine")
     args = parser.parse_args(argv)
     global BLOCK_SIZE
     BLOCK_SIZE = args.block_size

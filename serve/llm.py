@@ -44,7 +44,7 @@ class LLM:
         device: str = "auto",
         attention_backend: str = "auto",
         seed: int = 0,
-        block_size: int = 16,
+        block_size: int = 8,
         kv_cache_bytes: int | None = None,
         num_blocks: int | None = None,
         max_num_seqs: int = 64,

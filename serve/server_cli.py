@@ -68,7 +68,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds running requests get to finish after SIGTERM",
     )
     g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--block-size", type=int, default=8, help="tokens per KV block (default 8)")
     g.add_argument(
         "--kv-cache-memory",
         type=_size,
@@ -110,6 +110,32 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="paged attention implementation",
     )
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="load this PEFT adapter at start (repeatable); clients select it with model=NAME",
+    )
+    g.add_argument(
+        "--max-loras",
+        type=int,
+        help="distinct adapters per step, i.e. device slots (turns LoRA serving on; 4 when only --lora is given)",
+    )
+    g.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="largest adapter rank served; slots are padded to it",
+    )
+    g.add_argument("--max-cpu-loras", type=int, default=16, help="adapters kept loaded on the host")
+    g.add_argument(
+        "--lora-root",
+        type=Path,
+        help="load adapters only from inside this directory (no .. or symlink escape)",
+    )
+    g = p.add_argument_group("sampling")
     g.add_argument(
         "--seed",
         type=int,

@@ -250,3 +250,39 @@ def test_adapter_routes_need_the_api_key(model_dirs: dict[str, Path], adapter_ro
         )
     finally:
         s.stop()
+
+
+def test_cli_loads_adapters_at_start_and_refuses_bad_ones(
+    model_dirs: dict[str, Path], adapter_root: Path, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    from tests.serve.server_util import start_subprocess_server
+
+    proc, url = start_subprocess_server(
+        model_dirs["llama"], tmp_path / "ok.log", "--lora", f"shop={adapter_root / 'qv4'}"
+    )
+    try:
+        ids = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+        assert ids == ["test-model", "shop"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workbench.cli",
+            "serve",
+            str(model_dirs["llama"]),
+            "--device",
+            "cpu",
+            "--lora",
+            f"x={tmp_path / 'missing'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode != 0 and "--lora x=" in bad.stderr and "no such directory" in bad.stderr
