@@ -385,11 +385,12 @@ def _model_not_found(model: str, base: str) -> RequestError:
 
 
 def _adapter_path(raw: str, root: Path | None) -> Path:
-    """The adapter dir, refused when it escapes `root` (`..` or symlinks)."""
+    """The adapter dir (relative paths from the server's working dir), refused when it is
+    outside `root` once `..` and symlinks are resolved."""
     path = Path(raw).expanduser()
     if root is None:
         return path
-    resolved = (root / path).resolve() if not path.is_absolute() else path.resolve()
+    resolved = path.resolve()
     if not resolved.is_relative_to(root.resolve()):
         raise RequestError(
             400,
