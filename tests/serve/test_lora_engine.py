@@ -67,6 +67,22 @@ def adapters(
     }
 
 
+def narrow_base(out: Path) -> Path:
+    """A Llama half as wide as the test models: adapters made on it fit no test model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
 def peft_greedy(
     model_dir: Path, adapter: Path | None, prompts: list[list[int]], max_tokens: int
 ) -> list[list[int]]:
@@ -177,7 +193,6 @@ def test_bad_adapters_are_refused_and_change_nothing(
     import shutil
 
     from safetensors.torch import load_file, save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     engine = lora_engine(model_dirs["llama"])
     engine.load_lora("ok", str(adapters["qv4"]))
@@ -203,17 +218,7 @@ def test_bad_adapters_are_refused_and_change_nothing(
             d / "adapter_model.safetensors",
         )
 
-    narrow = tmp_path / "narrow-base"
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=512,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).save_pretrained(narrow)
+    narrow = narrow_base(tmp_path / "narrow-base")
     cases = {
         "missing dir": (tmp_path / "nope", "no such directory"),
         "not peft": (

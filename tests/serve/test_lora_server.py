@@ -15,7 +15,7 @@ from serve import SamplingParams
 from serve.lora.manager import LoraConfig
 from tests.serve.conftest import make_cases
 from tests.serve.server_util import ThreadServer, start_thread_server
-from tests.serve.test_lora_engine import ADAPTERS, lora_engine, make_adapter
+from tests.serve.test_lora_engine import ADAPTERS, lora_engine, make_adapter, narrow_base
 
 
 @pytest.fixture(scope="module")
@@ -170,19 +170,9 @@ def test_bad_adapters_get_400_and_the_server_keeps_serving(
     (copy("notpeft") / "adapter_config.json").unlink()
     config = json.loads((adapter_root / "qv4" / "adapter_config.json").read_text())
     (copy("ia3") / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "IA3"}))
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=512,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).save_pretrained(tmp_path / "narrow")
-    make_adapter(tmp_path / "narrow", adapter_root / "narrow", 0, r=4, target_modules=["q_proj"])
+    make_adapter(
+        narrow_base(tmp_path / "narrow"), adapter_root / "narrow", 0, r=4, target_modules=["q_proj"]
+    )
     make_adapter(model_dirs["llama"], adapter_root / "rank32", 0, r=32, target_modules=["q_proj"])
     (adapter_root / "escape").symlink_to(tmp_path)
     cases = [
