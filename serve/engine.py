@@ -161,7 +161,7 @@ class LLMEngine:
         clock.lap("schedule")
         inputs = self.runner.prepare(out)
         if self.adapters is not None:
-            self.adapters.prepare_step(self._adapter_rows(out))
+            self.adapters.prepare_step(self._adapter_rows(out), out.num_tokens)
         clock.lap("prepare")
         logits = self.runner.forward(inputs)
         clock.lap("model")

@@ -15,12 +15,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+GATHER_MAX_TOKENS = 256
+"""Steps with at most this many tokens gather each token's own A and B and run two batched
+matmuls per layer, whatever the number of adapters; larger steps (long prefills) loop over the
+adapters instead, which copies no weights."""
+
 
 @dataclass
 class StepSlots:
-    """Per step: (slot, token rows) for every adapter in the batch; empty when none."""
+    """Per step: (slot, token rows) for every adapter in the batch (empty when none), and for
+    small steps the slot of every token row (0 where a row has no adapter)."""
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    token_slots: torch.Tensor | None = None
 
 
 class LoraLinear(nn.Module):
@@ -60,19 +67,24 @@ class LoraLinear(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.scaling[slot] = 0.0 if a is None else scaling
-        if a is not None and b is not None:
+        if a is not None and b is not None:  # NOTE: B is stored pre-multiplied by the scaling
             self.lora_a[slot, : a.shape[0]] = a.to(self.lora_a.dtype)
-            self.lora_b[slot, :, : b.shape[1]] = b.to(self.lora_b.dtype)
+            self.lora_b[slot, :, : b.shape[1]] = (b * scaling).to(self.lora_b.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if not self.step.groups:
             return y
-        flat_x = x.reshape(-1, self.in_features)
+        flat_x = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
+        slots = self.step.token_slots
+        if slots is not None:
+            a = self.lora_a.index_select(0, slots)  # [T, R, in]
+            b = self.lora_b.index_select(0, slots)  # [T, out, R]
+            delta = torch.bmm(b, torch.bmm(a, flat_x.unsqueeze(2))).squeeze(2)
+            return y + delta.view_as(y).to(y.dtype)
         flat_y = y.reshape(-1, self.out_features).clone()
         for slot, rows in self.step.groups:
-            xs = flat_x.index_select(0, rows).to(self.lora_a.dtype)
-            delta = (xs @ self.lora_a[slot].T) @ self.lora_b[slot].T * self.scaling[slot]
+            delta = (flat_x.index_select(0, rows) @ self.lora_a[slot].T) @ self.lora_b[slot].T
             flat_y.index_add_(0, rows, delta.to(flat_y.dtype))
         return flat_y.view_as(y)
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from serve.lora.adapter import Adapter, AdapterError, load_adapter
-from serve.lora.layers import LoraLinear, StepSlots, wrap
+from serve.lora.layers import GATHER_MAX_TOKENS, LoraLinear, StepSlots, wrap
 
 
 @dataclass(frozen=True)
@@ -103,14 +103,18 @@ class AdapterManager:
             del self.names[version]
             self.slots.pop(version, None)
 
-    def prepare_step(self, token_versions: list[tuple[int, torch.Tensor]]) -> None:
+    def prepare_step(self, token_versions: list[tuple[int, torch.Tensor]], num_tokens: int) -> None:
         """Give each (version, token rows) of the step a slot and point the layers at them."""
         used = {v for v, _ in token_versions}
         assert len(used) <= self.config.max_loras, "the scheduler caps distinct adapters per step"
-        groups = []
-        for version, rows in token_versions:
-            groups.append((self._slot_for(version, used), rows))
+        groups = [(self._slot_for(version, used), rows) for version, rows in token_versions]
         self.step.groups = groups
+        self.step.token_slots = None
+        if groups and num_tokens <= GATHER_MAX_TOKENS:
+            slots = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            for slot, rows in groups:
+                slots[rows] = slot
+            self.step.token_slots = slots
 
     def _slot_for(self, version: int, used: set[int]) -> int:
         if version in self.slots:

@@ -107,12 +107,16 @@ def peft_greedy(
 
 
 def lora_engine(
-    model_dir: Path, max_loras: int = 4, num_blocks: int = 256, max_rank: int = 16
+    model_dir: Path,
+    max_loras: int = 4,
+    num_blocks: int = 256,
+    max_rank: int = 16,
+    budget: int = 256,
 ) -> LLMEngine:
     return LLMEngine(
         ModelConfig(str(model_dir), dtype="float32", device="cpu"),
         CacheConfig(block_size=16, num_blocks=num_blocks),
-        SchedulerConfig(max_num_batched_tokens=256),
+        SchedulerConfig(max_num_batched_tokens=budget),
         lora=LoraConfig(max_loras=max_loras, max_lora_rank=max_rank, max_cpu_loras=8),
     )
 
@@ -131,14 +135,15 @@ def run_all(
     return done
 
 
-@pytest.mark.parametrize("max_loras", [4, 2])
+@pytest.mark.parametrize(("max_loras", "budget"), [(4, 256), (2, 1024)])
 def test_mixed_batch_equals_peft_per_adapter(
-    model_dirs: dict[str, Path], adapters: dict[str, Path], max_loras: int
+    model_dirs: dict[str, Path], adapters: dict[str, Path], max_loras: int, budget: int
 ) -> None:
-    """With max_loras=2 the scheduler must hold back requests of a third adapter."""
+    """With max_loras=2 the scheduler must hold back requests of a third adapter; with a budget
+    of 1024 the first steps exceed GATHER_MAX_TOKENS and the layers loop over adapters."""
     model_dir = model_dirs["llama"]
     prompts = [c.prompt for c in make_cases(6, seed=11, vocab=500, max_prompt=40)]
-    engine = lora_engine(model_dir, max_loras=max_loras)
+    engine = lora_engine(model_dir, max_loras=max_loras, budget=budget)
     versions = {name: engine.load_lora(name, str(path)) for name, path in adapters.items()}
     requests, expected = [], {}
     for name in [None, *adapters]:
