@@ -54,10 +54,14 @@ def test_engine_greedy_equals_generate_on_quantized_model(
     assert same == len(cases), f"{variant}: {same}/{len(cases)} equal"
 
 
-def test_qlora_adapter_on_nf4_base_in_a_mixed_batch(quantized: dict[str, Path]) -> None:
-    """The nf4 base with its QLoRA adapter, mixed with plain nf4 requests in one batch, against
-    PEFT on the same nf4 model. Tolerance: exact greedy ids; bitsandbytes dequantizes the same
-    weights on both sides, so only float summation order differs."""
+@pytest.mark.parametrize("base_variant", ["nf4", "int8"])
+def test_qlora_adapter_on_quantized_base_in_a_mixed_batch(
+    quantized: dict[str, Path], base_variant: str
+) -> None:
+    """A quantized base (the nf4 artifact the QLoRA adapter was trained on, or the bnb-int8
+    variant) with the adapter, mixed with plain requests in one batch, against PEFT on the same
+    quantized model. Tolerance: exact greedy ids; bitsandbytes runs the same kernels on both
+    sides, so only float summation order differs."""
     import json
 
     from peft import PeftModel
@@ -67,6 +71,8 @@ def test_qlora_adapter_on_nf4_base_in_a_mixed_batch(quantized: dict[str, Path]) 
 
     adapter = quantized["qlora"]
     base = Path(json.loads((adapter / "workbench.json").read_text())["parent"]["path"])
+    if base_variant == "int8":
+        base = quantized["int8"]
     cases = make_cases(6, seed=9, vocab=500, max_prompt=40, max_out=12)
     engine = LLMEngine(
         ModelConfig(str(base), dtype="float32", device="cpu"),
