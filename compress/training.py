@@ -3,7 +3,9 @@ and cosine decay, a progress bar, periodic validation, and resumable checkpoints
 
 Model: the batch of step k is rows[perm[k*B : (k+1)*B]] for one seeded permutation, so a run
 resumed at step k sees exactly the batches it would have seen. Training runs through
-`accelerate.Accelerator`, so the same code runs on one CPU or under `accelerate launch`.
+`accelerate.Accelerator`, so the same code runs on one CPU or under `accelerate launch` /
+`torchrun`: with N processes each computes the loss on every N-th row of the global batch and
+the gradients are averaged, which is the same update as one process on the whole batch.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -80,13 +83,14 @@ def train(
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(config, step)
-        batch = rows[batch_indices(len(rows), config, step)].to(accelerator.device)
-        loss = loss_fn(model, batch)
+        indices = batch_indices(len(rows), config, step)
+        mine = indices[accelerator.process_index :: accelerator.num_processes]  # this rank's share
+        loss = loss_fn(model, rows[mine].to(accelerator.device))
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        result.losses.append(loss.item())
+        result.losses.append(accelerator.reduce(loss.detach(), "mean").item())
         bar.set_postfix(loss=f"{result.losses[-1]:.3f}")
         done = step + 1
         if validate and config.eval_every and done % config.eval_every == 0 and done < config.steps:
@@ -99,13 +103,14 @@ def train(
     return result
 
 
-def _save(accelerator: object, checkpoint_dir: Path, step: int, result: TrainResult) -> None:
+def _save(accelerator: Any, checkpoint_dir: Path, step: int, result: TrainResult) -> None:
     target = checkpoint_dir / f"step-{step}"
-    accelerator.save_state(str(target))  # type: ignore[attr-defined]
-    (target / "progress.json").write_text(
-        json.dumps({"step": step, "losses": result.losses, "validation": result.validation})
-    )
-    (checkpoint_dir / "latest").write_text(target.name)
+    accelerator.save_state(str(target))
+    if accelerator.is_main_process:
+        progress = {"step": step, "losses": result.losses, "validation": result.validation}
+        (target / "progress.json").write_text(json.dumps(progress))
+        (checkpoint_dir / "latest").write_text(target.name)
+    accelerator.wait_for_everyone()
 
 
 def _resume(accelerator: object, checkpoint_dir: Path | None, result: TrainResult) -> int:

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from evals.load_cli import add_bench_arguments
 from serve.server_cli import add_serve_arguments
+from workbench.distributed import is_main
 from workbench.pipeline import Pipeline, PipelineError, VariantResult
 from workbench.recipe import RecipeError, load_recipe
 
@@ -78,6 +79,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     pipeline = Pipeline(recipe, base, work_dir, force=args.force, evaluate=evaluate)
     results = pipeline.run(args.variant, on_result=show)
+    if not is_main():  # under accelerate launch / torchrun the main process reports
+        return 0
     out.print(_variants_table(results))
     built = [r.name for r in results if r.status == "built"]
     reused = [r.name for r in results if r.status == "reused"]

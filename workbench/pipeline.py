@@ -10,6 +10,7 @@ work dir, so an interrupted run leaves only temporary dirs, which the next run d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -33,6 +34,7 @@ from compress.artifact import (
 )
 from compress.registry import StepError
 from workbench.base_model import BaseRef, base_artifact, base_fingerprint
+from workbench.distributed import barrier, is_main, scratch_dir
 from workbench.locking import file_lock
 from workbench.measure import PeakMemory, package_versions
 from workbench.recipe import Recipe, Variant
@@ -130,19 +132,23 @@ class Pipeline:
         base = base_artifact(self.base)
         self.check(variants, module_names(base.path))
         results = []
-        with file_lock(self.work_dir / ".lock"):
-            for sub in ("variants", "artifacts"):
-                remove_stale_tmp(self.work_dir / sub)
+        lock = file_lock(self.work_dir / ".lock") if is_main() else contextlib.nullcontext()
+        with lock:
+            if is_main():
+                for sub in ("variants", "artifacts"):
+                    remove_stale_tmp(self.work_dir / sub)
+            barrier()
             base_hash = base_fingerprint(self.base)
             for variant in variants:
                 results.append(self._run_variant(variant, base, base_hash))
-                if on_result:
+                if on_result and is_main():
                     on_result(results[-1])
         return results
 
     def _run_variant(self, variant: Variant, base: Artifact, base_hash: str) -> VariantResult:
         calls = _chain(variant, base_hash, self.recipe.seed)
         final = self.work_dir / "variants" / variant.name
+        barrier()  # every process decides on the same files
         if not self.force and _has_hash(final, calls[-1].hash):
             return VariantResult(variant.name, final, "reused", read_manifest(final) or {})
         artifact, parent = base, {"path": str(base.path), "hash": base_hash}
@@ -167,6 +173,11 @@ class Pipeline:
         step = STEPS[call.name](call.params)
         checkpoints = self.work_dir / "checkpoints" / call.hash
         ctx = StepContext(Path(), self.recipe.seed, _device(self.recipe.device), checkpoints)
+        if not is_main():  # every process trains; only the main one writes the artifact
+            with scratch_dir() as tmp:
+                made = step.apply(artifact, dataclasses.replace(ctx, out_dir=tmp))
+            barrier()
+            return dataclasses.replace(made, path=out)
         with atomic_dir(out) as tmp:
             started = time.perf_counter()
             with PeakMemory() as peak:
@@ -197,6 +208,7 @@ class Pipeline:
                 manifest["eval"] = self.evaluate(dataclasses.replace(made, path=tmp))
             write_manifest(tmp, manifest)
         shutil.rmtree(checkpoints, ignore_errors=True)
+        barrier()
         return dataclasses.replace(made, path=out)
 
 
