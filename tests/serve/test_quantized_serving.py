@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from serve import LLMEngine
 from serve.config import CacheConfig, ModelConfig, SchedulerConfig
-from tests.serve.conftest import make_cases
+from tests.serve.conftest import make_cases, reference_outputs
 from tests.serve.test_engine_exact import make_engine, run
 from workbench.pipeline import Pipeline
 from workbench.recipe import load_recipe
@@ -36,18 +36,7 @@ def test_engine_greedy_equals_generate_on_quantized_model(
     quantized: dict[str, Path], variant: str
 ) -> None:
     cases = make_cases(8, seed=5, vocab=500, max_prompt=60, max_out=16)
-    model = AutoModelForCausalLM.from_pretrained(quantized[variant], device_map="cpu").eval()
-    expected = []
-    with torch.inference_mode():
-        for c in cases:
-            ids = torch.tensor([c.prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=c.max_tokens,
-                do_sample=False,
-            )
-            expected.append(out[0, len(c.prompt) :].tolist())
+    expected = reference_outputs(quantized[variant], cases)
     engine = make_engine(quantized[variant], num_blocks=64, budget=64)
     outputs = run(engine, cases)
     same = sum(outputs[i] == expected[i] for i in range(len(cases)))
