@@ -10,12 +10,13 @@ torchao's int8 weight-only config (per-channel int8 weights, activations kept in
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Literal
 
 import torch
 from pydantic import Field
 
-from compress.artifact import Artifact, copy_side_files
+from compress.artifact import LOAD_QUANTIZATION, Artifact, copy_side_files
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.targets import select
 
@@ -23,10 +24,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class QuantizeParams(StepParams):
-    method: Literal["bnb-int8", "bnb-nf4", "bnb-fp4", "int8-wo"]
+    method: Literal["bnb-int8", "bnb-nf4", "bnb-fp4", "int8-wo", "int4-wo"]
     """bnb-int8: LLM.int8 (outlier columns in float); bnb-nf4 / bnb-fp4: 4-bit blocks;
-    int8-wo: int8 weight-only (torchao). Measured on 2 CPU cores, nf4 serves fastest (x1.07-1.29
-    of float32), int8-wo at x0.85-0.98, bnb-int8 at x0.50-0.70: see README."""
+    int8-wo: int8 weight-only (torchao); int4-wo: int4 weight-only in groups, bfloat16
+    activations, torchao's CPU tensor (the fast one on the CPU: see README), stored in bfloat16
+    and quantized when loaded."""
+    group_size: Literal[32, 64, 128, 256] = 32
+    """int4-wo only: input features per scale / zero point."""
     double_quant: bool = False
     """4-bit only: quantize the block scales too (saves ~0.4 bits per weight)."""
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -92,6 +96,21 @@ class Quantize(Step):
             llm_int8_skip_modules=skipped,
         )
 
+    def _apply_int4_at_load(
+        self, artifact: Artifact, ctx: StepContext, skipped: list[str]
+    ) -> Artifact:
+        """int4-wo: bfloat16 weights plus the metadata that quantizes them at load time."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(artifact.path, dtype=torch.bfloat16)
+        model.save_pretrained(ctx.out_dir, safe_serialization=True)
+        copy_side_files(artifact.path, ctx.out_dir)
+        meta = {"method": "int4-wo", "group_size": self.params.group_size, "skip": skipped}
+        (ctx.out_dir / LOAD_QUANTIZATION).write_text(json.dumps(meta, indent=2) + "\n")
+        return Artifact(
+            ctx.out_dir, "model", {"full_precision_linear_layers": skipped}, quantization="int4-wo"
+        )
+
     def apply(self, artifact: Artifact, ctx: StepContext) -> Artifact:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -102,6 +121,11 @@ class Quantize(Step):
         skipped = self._skipped(names)
         if self.params.method in ("bnb-nf4", "bnb-fp4") and ctx.device == "cpu":
             _check_4bit_cpu_shapes(meta, [n for n in names if n not in skipped])
+        if self.params.method == "int4-wo":
+            _check_group_shapes(
+                meta, [n for n in names if n not in skipped], self.params.group_size
+            )
+            return self._apply_int4_at_load(artifact, ctx, skipped)
         model = AutoModelForCausalLM.from_pretrained(
             artifact.path,
             quantization_config=self._config(skipped),
@@ -127,4 +151,14 @@ def _check_4bit_cpu_shapes(model: torch.nn.Module, names: list[str]) -> None:
         raise StepError(
             f"bitsandbytes 4-bit on the CPU needs in_features divisible by 64; {len(odd)} layers "
             f"are not (e.g. {odd[0]}: {modules[odd[0]].in_features}); add them to quantize.ignore"
+        )
+
+
+def _check_group_shapes(model: torch.nn.Module, names: list[str], group_size: int) -> None:
+    modules = dict(model.named_modules())
+    odd = [n for n in names if modules[n].in_features % group_size]
+    if odd:
+        raise StepError(
+            f"int4-wo needs in_features divisible by group_size {group_size}; {len(odd)} layers "
+            f"are not (e.g. {odd[0]}: {modules[odd[0]].in_features}); lower group_size or add them to ignore"
         )

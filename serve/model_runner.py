@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from compress.artifact import load_kwargs
 from serve.attention import ATTENTION_NAME, BACKENDS
 from serve.config import CacheConfig, ModelConfig
 from serve.scheduler import SchedulerOutput
@@ -71,8 +72,9 @@ def _check_supported(model: PreTrainedModel) -> None:
 def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
     path = Path(config.model)
     source = str(path) if path.exists() else config.model
+    kwargs = {"dtype": dtype, **(load_kwargs(path) if path.exists() else {})}
     model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=dtype, attn_implementation=ATTENTION_NAME
+        source, attn_implementation=ATTENTION_NAME, **kwargs
     )
     _check_supported(model)
     return model.to(device).eval()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from compress import Artifact
+from compress.artifact import load_kwargs
 from compress.data import load_texts, token_rows
 from compress.distill import rows_perplexity
 
@@ -32,9 +33,8 @@ def load_for_eval(artifact: Artifact) -> torch.nn.Module:
             artifact.base, dtype=torch.float32, device_map="cpu"
         )
         return PeftModel.from_pretrained(base, artifact.path).eval()
-    return AutoModelForCausalLM.from_pretrained(
-        artifact.path, dtype=torch.float32, device_map="cpu"
-    ).eval()
+    kwargs = {"dtype": torch.float32, "device_map": "cpu", **load_kwargs(artifact.path)}
+    return AutoModelForCausalLM.from_pretrained(artifact.path, **kwargs).eval()
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -24,6 +24,7 @@ variants:
   - {name: nf4, steps: [{quantize: {method: bnb-nf4, double_quant: true}}]}
   - {name: fp4, steps: [{quantize: {method: bnb-fp4}}]}
   - {name: int8wo, steps: [{quantize: {method: int8-wo}}]}
+  - {name: int4wo, steps: [{quantize: {method: int4-wo, group_size: 32}}]}
   - {name: kd, steps: [{distill: {layers: 1, steps: 30, batch_size: 4, seq_len: 64, eval_every: 10, checkpoint_every: 10}}]}
   - {name: ce, steps: [{distill: {layers: 1, steps: 30, batch_size: 4, seq_len: 64, kd: false, eval_every: 0}}]}
   - {name: lora, steps: [{lora: {rank: 4, steps: 60, batch_size: 8, seq_len: 64, lr: 0.01, targets: [q_proj, v_proj, re:.*mlp\\..*_proj]}}]}
@@ -54,7 +55,14 @@ def test_quantized_variants_load_with_their_layer_types(built: dict[str, dict]) 
     assert config["bnb_4bit_quant_type"] == "nf4" and config["bnb_4bit_use_double_quant"] is True
     assert "lm_head" in config["llm_int8_skip_modules"]
     assert type(_layer(built["int8wo"]["path"]).weight).__name__ == "Int8Tensor"
-    for name in ("int8", "nf4", "fp4", "int8wo"):
+    from compress.artifact import load_kwargs
+
+    int4 = AutoModelForCausalLM.from_pretrained(
+        built["int4wo"]["path"], **load_kwargs(built["int4wo"]["path"])
+    )
+    assert type(int4.model.layers[0].mlp.up_proj.weight).__name__ == "Int4OpaqueTensor"
+    assert type(int4.lm_head.weight).__name__ == "Parameter"  # ignored by default
+    for name in ("int8", "nf4", "fp4", "int8wo", "int4wo"):
         m = built[name]
         assert m["quantization"] == m["steps"][0]["params"]["method"]
         assert m["eval"]["bytes_in_memory"] < built["base"]["eval"]["bytes_in_memory"]
@@ -65,6 +73,7 @@ def test_quantization_keeps_perplexity_close(built: dict[str, dict]) -> None:
     assert built["int8"]["eval"]["perplexity_corpus"] == pytest.approx(base, rel=0.02)
     assert built["int8wo"]["eval"]["perplexity_corpus"] == pytest.approx(base, rel=0.02)
     assert built["nf4"]["eval"]["perplexity_corpus"] == pytest.approx(base, rel=0.15)
+    assert built["int4wo"]["eval"]["perplexity_corpus"] == pytest.approx(base, rel=0.15)
 
 
 def test_distilled_student_keeps_fewer_layers_and_resumes_from_checkpoints(

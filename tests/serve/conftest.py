@@ -14,6 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
+from compress.artifact import load_kwargs
+
 ARCHITECTURES = {
     "llama": LlamaConfig,
     "qwen2": Qwen2Config,
@@ -64,7 +66,7 @@ def make_cases(
 
 def reference_outputs(model_dir: Path, cases: list[Case]) -> list[list[int]]:
     """`generate`, greedy, one request at a time (no padding), stopping at eos like the engine."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs(model_dir)).eval()
     outs = []
     with torch.inference_mode():
         for case in cases:

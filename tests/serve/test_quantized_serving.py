@@ -25,13 +25,14 @@ def quantized(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
         "  - {name: int8, steps: [{quantize: {method: bnb-int8}}]}\n"
         "  - {name: nf4, steps: [{quantize: {method: bnb-nf4}}]}\n"
         "  - {name: int8-wo, steps: [{quantize: {method: int8-wo}}]}\n"
+        "  - {name: int4-wo, steps: [{quantize: {method: int4-wo, group_size: 32}}]}\n"
         "  - {name: qlora, steps: [{quantize: {method: bnb-nf4}}, {lora: {rank: 8, steps: 20, batch_size: 4, seq_len: 64, lr: 0.01}}]}\n"
     )
     recipe, base = load_recipe(root / "r.yaml")
     return {r.name: r.path for r in Pipeline(recipe, base, root / "work").run()}
 
 
-@pytest.mark.parametrize("variant", ["int8", "nf4", "int8-wo"])
+@pytest.mark.parametrize("variant", ["int8", "nf4", "int8-wo", "int4-wo"])
 def test_engine_greedy_equals_generate_on_quantized_model(
     quantized: dict[str, Path], variant: str
 ) -> None:

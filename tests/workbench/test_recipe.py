@@ -82,7 +82,7 @@ BAD = {
     "unknown quantize method": (
         "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{quantize: {method: int3}}]}]\n",
         "variants[0].steps[0].quantize.method",
-        ["found 'int3'", "'bnb-int8', 'bnb-nf4', 'bnb-fp4' or 'int8-wo'"],
+        ["found 'int3'", "'bnb-int8', 'bnb-nf4', 'bnb-fp4', 'int8-wo' or 'int4-wo'"],
     ),
     "lora rank zero": (
         "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{lora: {rank: 0}}]}]\n",
