@@ -204,7 +204,7 @@ class Pipeline:
                 "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "info": made.info,
             }
-            if self.evaluate is not None and out.parent.name == "variants":
+            if self.evaluate is not None:
                 manifest["eval"] = self.evaluate(dataclasses.replace(made, path=tmp))
             write_manifest(tmp, manifest)
         shutil.rmtree(checkpoints, ignore_errors=True)
