@@ -25,20 +25,17 @@ from serve.engine import InvalidRequest
 from serve.lora.adapter import AdapterError
 from serve.openai_responses import chat_choice, completion_choice
 from serve.openai_serving import (
-    Job,
     RequestError,
-    TextDeltas,
     add_all,
     chat_id,
     chat_job,
     collect,
     completion_id,
     completion_job,
-    merged,
     now,
-    sse,
     usage,
 )
+from serve.openai_streams import chat_events, completion_events
 from serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -268,7 +265,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         rid = completion_id()
         tracked = await add_all(engine, rid, job)
         if body.stream:
-            return _stream(_completion_events(rid, body, job, tracked))
+            return _stream(completion_events(engine, tok, rid, body, job, tracked))
         outputs = await collect(engine, tracked, request.is_disconnected)
         choices = [
             completion_choice(tok, i, o, job.echo, body.logprobs is not None)
@@ -283,30 +280,6 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             "usage": usage(outputs, job.prompts),
         }
 
-    async def _completion_events(
-        rid: str, body: CompletionRequest, job: Job, tracked: list
-    ) -> AsyncIterator[str]:
-        deltas, finals = TextDeltas(job.params[0].stop), {}
-        head = {"id": rid, "object": "text_completion", "created": now(), "model": body.model}
-        async for index, out in merged(engine, tracked):
-            text = deltas.delta(index, out)
-            if job.echo and index not in deltas.sent_prompt:
-                deltas.sent_prompt.add(index)
-                text = tok.decode(out.prompt_token_ids, skip_special_tokens=True) + text
-            if text or out.finished:
-                choice = {
-                    "index": index,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": out.finish_reason,
-                }
-                yield sse({**head, "choices": [choice]})
-            if out.finished:
-                finals[index] = out
-        if body.stream_options and body.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(list(finals.values()), job.prompts)})
-        yield sse("[DONE]")
-
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         job = chat_job(body, tok, max_len)
@@ -315,7 +288,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         tracked = await add_all(engine, rid, job)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
-            return _stream(_chat_events(rid, body, job, tracked))
+            return _stream(chat_events(engine, rid, body, job, tracked))
         outputs = await collect(engine, tracked, request.is_disconnected)
         return {
             "id": rid,
@@ -325,43 +298,6 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             "choices": [chat_choice(tok, i, o, top_n) for i, o in enumerate(outputs)],
             "usage": usage(outputs, job.prompts),
         }
-
-    async def _chat_events(
-        rid: str, body: ChatCompletionRequest, job: Job, tracked: list
-    ) -> AsyncIterator[str]:
-        deltas, finals = TextDeltas(job.params[0].stop), {}
-        head = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": body.model}
-        for i in range(job.n):
-            first = {
-                "index": i,
-                "delta": {"role": "assistant", "content": ""},
-                "finish_reason": None,
-            }
-            yield sse({**head, "choices": [first]})
-        async for index, out in merged(engine, tracked):
-            text = deltas.delta(index, out)
-            if text:
-                yield sse(
-                    {
-                        **head,
-                        "choices": [
-                            {"index": index, "delta": {"content": text}, "finish_reason": None}
-                        ],
-                    }
-                )
-            if out.finished:
-                finals[index] = out
-                yield sse(
-                    {
-                        **head,
-                        "choices": [
-                            {"index": index, "delta": {}, "finish_reason": out.finish_reason}
-                        ],
-                    }
-                )
-        if body.stream_options and body.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(list(finals.values()), job.prompts)})
-        yield sse("[DONE]")
 
     return app
 
