@@ -169,13 +169,12 @@ def ratio_summary(ours: SystemRuns, other: SystemRuns) -> tuple[float, float, fl
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
-BLOCK_SIZE = 8
-
-
-def engine_for(model_dir: Path, kv_bytes: int, max_num_seqs: int = 256) -> LLMEngine:
+def engine_for(
+    model_dir: Path, kv_bytes: int, max_num_seqs: int = 256, block_size: int = 8
+) -> LLMEngine:
     return LLMEngine(
         ModelConfig(str(model_dir), dtype="float32", device="cpu"),
-        CacheConfig(block_size=BLOCK_SIZE, kv_cache_bytes=kv_bytes),
+        CacheConfig(block_size=block_size, kv_cache_bytes=kv_bytes),
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, max_model_len=2048),
     )
 
@@ -187,13 +186,13 @@ def load_baseline_model(model_dir: Path) -> PreTrainedModel:
 
 
 def concurrency_vs_contiguous(
-    model_dir: Path, vocab: int, max_model_len: int = 2048
+    model_dir: Path, vocab: int, max_model_len: int = 2048, block_size: int = 8
 ) -> dict[str, float]:
     """At a KV budget that holds 16 contiguous `max_model_len` reservations, how many sequences
     run at once with paged blocks (256 requests of the mixed workload, all submitted at once)."""
     probe = engine_for(model_dir, 1 << 20)
     budget = 16 * max_model_len * probe.runner.layout.bytes_per_token()
-    engine = engine_for(model_dir, budget, max_num_seqs=1024)
+    engine = engine_for(model_dir, budget, max_num_seqs=1024, block_size=block_size)
     w = make_workload("mixed", 256, vocab, seed=1)
     measured = run_engine(engine, w)
     contiguous = budget // (max_model_len * engine.runner.layout.bytes_per_token())
@@ -212,12 +211,13 @@ def bench_model(
     rounds: int,
     n: int,
     log: Callable[[str], None],
+    block_size: int = 8,
 ) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     baseline = load_baseline_model(model_dir)
-    engine = engine_for(model_dir, kv_bytes=1 << 30)
+    engine = engine_for(model_dir, kv_bytes=1 << 30, block_size=block_size)
     report: dict = {"model": name, "parameters": sum(p.numel() for p in baseline.parameters())}
     warm = make_workload("mixed", 4, len(tok), seed=99)
     (
@@ -270,8 +270,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="reports/bench-engine.json", help="JSON results file")
     parser.add_argument("--block-size", type=int, default=8, help="KV block size of the engine")
     args = parser.parse_args(argv)
-    global BLOCK_SIZE
-    BLOCK_SIZE = args.block_size
     torch.set_num_threads(args.threads)
     demo = ensure_demo_model("demo")
     dirs = {
@@ -284,10 +282,18 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         results["models"].append(
             bench_model(
-                name, dirs[name], args.workloads.split(","), args.rounds, args.requests, print
+                name,
+                dirs[name],
+                args.workloads.split(","),
+                args.rounds,
+                args.requests,
+                print,
+                args.block_size,
             )
         )
-        results["models"][-1]["concurrency"] = concurrency_vs_contiguous(dirs[name], 4096)
+        results["models"][-1]["concurrency"] = concurrency_vs_contiguous(
+            dirs[name], 4096, block_size=args.block_size
+        )
         print("   concurrency at a fixed KV budget:", results["models"][-1]["concurrency"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
