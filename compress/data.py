@@ -7,6 +7,7 @@ train and validation splits written to local JSON-lines files) or the path of a 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,3 +74,20 @@ def token_rows(tok: PreTrainedTokenizerBase, texts: list[str], seq_len: int) -> 
     if n == 0:
         raise ValueError(f"the data holds {len(stream)} tokens, fewer than one row of {seq_len}")
     return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, rows: torch.Tensor, batch_size: int = 16) -> float:
+    """exp(mean next-token NLL) over every row; each row is scored on its own."""
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        batch = rows[i : i + batch_size].to(device)
+        logits = model(input_ids=batch).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1), reduction="sum"
+        )
+        total += nll.item()
+        count += batch[:, 1:].numel()
+    return math.exp(total / count)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from compress.artifact import Artifact, copy_side_files
-from compress.data import check_data, load_texts, token_rows
+from compress.data import check_data, load_texts, perplexity, token_rows
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.training import TrainConfig, train
 
@@ -116,18 +116,6 @@ def _distill_loss(teacher: torch.nn.Module, p: DistillParams):  # type: ignore[n
     return loss
 
 
-@torch.no_grad()
-def rows_perplexity(model: torch.nn.Module, rows: torch.Tensor, batch_size: int = 16) -> float:
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(rows), batch_size):
-        batch = rows[i : i + batch_size].to(next(model.parameters()).device)
-        n = batch[:, 1:].numel()
-        total += model(input_ids=batch, labels=batch).loss.item() * n
-        count += n
-    return float(torch.tensor(total / count).exp())
-
-
 @register
 class Distill(Step):
     name = "distill"
@@ -177,7 +165,7 @@ class Distill(Step):
             rows,
             _distill_loss(teacher, p),
             cfg,
-            lambda m: rows_perplexity(m, val),
+            lambda m: perplexity(m, val),
             ctx.checkpoint_dir,
         )
         student.save_pretrained(ctx.out_dir)
@@ -188,6 +176,6 @@ class Distill(Step):
             "final_loss": result.losses[-1],
             "validation_perplexity_by_step": result.validation,
             "resumed_from_step": result.resumed_from,
-            "teacher_validation_perplexity": rows_perplexity(teacher, val),
+            "teacher_validation_perplexity": perplexity(teacher, val),
         }
         return Artifact(ctx.out_dir, "model", info)

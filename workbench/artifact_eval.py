@@ -14,8 +14,10 @@ import torch
 
 from compress import Artifact
 from compress.artifact import load_kwargs
-from compress.data import load_texts, token_rows
-from compress.distill import rows_perplexity
+from compress.data import load_texts, perplexity, token_rows
+from workbench.demo import data as demo_data
+
+demo_data.register()  # the corpora measured below, also when called from Python directly
 
 EVAL_ROWS = 64
 SEQ_LEN = 128
@@ -72,5 +74,5 @@ def evaluate(artifact: Artifact) -> dict[str, Any]:
     }
     for name in ("corpus", "shift"):
         rows = token_rows(tok, load_texts(name, "validation"), SEQ_LEN)[:EVAL_ROWS]
-        out[f"perplexity_{name}"] = rows_perplexity(model, rows)
+        out[f"perplexity_{name}"] = perplexity(model, rows)
     return out

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from compress.data import token_rows
+from compress.data import perplexity, token_rows
 from workbench.demo import corpus, shifted
 from workbench.demo.tokenizer import train_tokenizer
 
@@ -97,22 +97,6 @@ def _lr_at(spec: DemoSpec, step: int) -> float:
         return spec.lr * (step + 1) / spec.warmup_steps
     progress = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
     return spec.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
-
-
-@torch.no_grad()
-def perplexity(model: LlamaForCausalLM, rows: torch.Tensor, batch_size: int = 32) -> float:
-    """exp(mean next-token NLL) over every row; each row is scored on its own."""
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(rows), batch_size):
-        batch = rows[i : i + batch_size]
-        logits = model(input_ids=batch).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1), reduction="sum"
-        )
-        total += nll.item()
-        count += batch[:, 1:].numel()
-    return math.exp(total / count)
 
 
 def unigram_perplexity(train: torch.Tensor, rows: torch.Tensor, vocab_size: int) -> float:
