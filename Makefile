@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo test test-slow lint format clean
+.PHONY: demo test test-slow lint format clean browser dashboard
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## build the demo model and run recipes/demo.yaml end to end
 	$(BIN)/workbench run recipes/demo.yaml
 
-test: $(STAMP)  ## the default test suite (CPU, minutes)
+test: $(STAMP) browser  ## the default test suite (CPU, minutes)
 	$(BIN)/pytest
+
+# The dashboard test drives Debian's chromium through chromedriver; installed here when missing
+# (needs root and Debian's package registry; without them that one test is skipped, saying why).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
+	  echo "note: could not install chromium + chromium-driver; the dashboard browser test will be skipped"
+
+dashboard: $(STAMP)  ## compare every run in reports/ in the browser (http://127.0.0.1:8050/)
+	$(BIN)/workbench dashboard reports
 
 test-slow: $(STAMP)  ## the slow tests (builds the full demo model)
 	$(BIN)/pytest -m slow

@@ -180,6 +180,7 @@ def server_info(url: str) -> dict[str, float | str]:
         "max_model_len": model["max_model_len"],
         "kv_blocks": m["workbench:cache_config_info.num_blocks"],
         "block_size": m["workbench:cache_config_info.block_size"],
+        "kv_bytes_per_token": m["workbench:cache_config_info.kv_bytes_per_token"],
     }
 
 
@@ -189,13 +190,17 @@ def sweep(
     prompt_lens: list[int],
     max_tokens: int,
     requests_per_point: int | None = None,
+    model: str | None = None,
 ) -> dict:
-    """All points, with the saturation point per prompt length and its estimate."""
+    """All points, with the saturation point per prompt length and its estimate. `model` is
+    the name requests send (default: the server's base model; an adapter's name measures it)."""
     info = server_info(url)
+    if model is not None:
+        info["model"] = model
     kv_tokens = float(info["kv_blocks"]) * float(info["block_size"])
     result: dict = {"server": info, "kv_tokens": kv_tokens, "points": [], "saturation": {}}
     total = len(concurrency) * len(prompt_lens)
-    with tqdm(total=total, desc="load points", unit="point") as bar:
+    with tqdm(total=total, desc=f"load {info['model']}", unit="point") as bar:
         for p in prompt_lens:
             for c in concurrency:
                 n = requests_per_point or max(2 * c, 8)

@@ -67,8 +67,9 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        runner = self.engine.runner
         self.metrics.describe_cache(
-            self.engine.cache_config.block_size, self.engine.runner.num_blocks
+            self.engine.cache_config.block_size, runner.num_blocks, runner.layout.bytes_per_token()
         )
         self.metrics.observe_stats(self.stats)
         self._thread.start()

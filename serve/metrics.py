@@ -104,7 +104,7 @@ class ServerMetrics:
         self.cache_info = Gauge(
             "workbench:cache_config_info",
             "KV cache layout (labels); value 1.",
-            ["model_name", "block_size", "num_blocks"],
+            ["model_name", "block_size", "num_blocks", "kv_bytes_per_token"],
             registry=r,
         )
         self.lora_loaded = Gauge(
@@ -123,8 +123,9 @@ class ServerMetrics:
         self.model_name = model_name
         self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0)
 
-    def describe_cache(self, block_size: int, num_blocks: int) -> None:
-        self.cache_info.labels(self.model_name, str(block_size), str(num_blocks)).set(1)
+    def describe_cache(self, block_size: int, num_blocks: int, bytes_per_token: int) -> None:
+        labels = (self.model_name, str(block_size), str(num_blocks), str(bytes_per_token))
+        self.cache_info.labels(*labels).set(1)
 
     def observe_stats(self, s: EngineStats) -> None:
         m = self.model_name

@@ -1,4 +1,5 @@
-"""The `workbench` command line: validate and run recipes, build the demo model."""
+"""The `workbench` command line: validate and run recipes (variants, evals, report), serve,
+benchmark, compare runs on the dashboard, build the demo model."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from evals.load_cli import add_bench_arguments
 from serve.server_cli import add_serve_arguments
 from workbench.distributed import is_main
 from workbench.pipeline import Pipeline, PipelineError, VariantResult
-from workbench.recipe import RecipeError, load_recipe
+from workbench.recipe import Recipe, RecipeError, load_recipe
 
 console = Console(stderr=True)
 out = Console()
@@ -88,12 +89,45 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"built {len(built)} variant(s) {built}, reused {len(reused)} {reused}; "
         f"manifests in {work_dir / 'variants'}/*/workbench.json"
     )
-    if recipe.evals.quality or recipe.evals.load:
-        out.print(
-            "note: this version builds variants only; "
-            "the recipe's evals and report are not run yet."
-        )
+    report_dir = Path(recipe.report.output_dir or Path("reports") / recipe.name)
+    _report(recipe, results, work_dir, report_dir, args.force)
     return 0
+
+
+def _report(
+    recipe: Recipe, results: list[VariantResult], work_dir: Path, report_dir: Path, force: bool
+) -> None:
+    from reports.report import build_report, write_report
+    from workbench.variant_evals import measure_variants
+
+    measured = measure_variants(
+        recipe, results, work_dir, force, progress=lambda line: console.print(f"  {line}")
+    )
+    report = build_report(
+        recipe,
+        {r.name: r.manifest for r in results},
+        measured.quality,
+        measured.load,
+        measured.server_check,
+        measured.reused,
+    )
+    write_report(report, report_dir)
+    out.print(_report_table(report))
+    out.print(f"report: {report_dir / 'index.html'} (figures in {report_dir / 'report.json'})")
+
+
+def _report_table(report: dict) -> Table:
+    from reports.report import fmt
+
+    table = Table(title=report["title"])
+    tasks = report["settings"]["quality_tasks"]
+    keep = {"variant", "weight_bytes", "peak_output_tok_s", *tasks}
+    cols = [c for c in report["columns"] if c["key"] in keep or c["key"].startswith("saturation_p")]
+    for c in cols:
+        table.add_column(c["label"], justify="left" if c["format"] == "text" else "right")
+    for v in report["variants"]:
+        table.add_row(*(fmt(v["row"].get(c["key"]), c["format"]) for c in cols))
+    return table
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
@@ -141,6 +175,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from reports.dashboard import serve_dashboard
+
+    serve_dashboard(Path(args.reports), args.host, args.port)
+    return 0
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from evals.engine_bench import main as bench_main
 
@@ -181,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench_engine)
+    p = sub.add_parser("dashboard", help="serve a page comparing the runs and variants in reports/")
+    p.add_argument("reports", nargs="?", default="reports", help="reports dir (default reports/)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8050, help="port to bind (default 8050)")
+    p.set_defaults(func=cmd_dashboard)
     return parser
 
 

@@ -65,19 +65,44 @@ StepSpec = _step_union()
 
 
 class LoadEval(_Strict):
-    concurrency: list[PositiveInt] = Field(default=[1, 4, 16, 64], min_length=1)
+    concurrency: list[PositiveInt] = Field(default=[1, 2, 4, 8, 16, 32, 64, 128], min_length=1)
     """Concurrent clients to ramp through."""
     prompt_len: list[PositiveInt] = Field(default=[64, 256, 1024], min_length=1)
     """Prompt lengths in tokens."""
     max_tokens: PositiveInt = 64
     """Output tokens per request."""
+    requests_per_point: PositiveInt | None = None
+    """Requests per point; default max(2 x concurrency, 8)."""
+    kv_cache_memory: str | None = Field(default=None, pattern=r"^\d+(\.\d+)?\s*([KMG]i?B)?$")
+    """The server's KV cache budget, e.g. 8MiB (default: the server's own)."""
+    max_num_seqs: PositiveInt = 256
+    """The server's running-request cap: above the ramp's top, so the KV cache is the limit."""
 
 
 class Evals(_Strict):
     quality: list[Slug] = []
-    """lm-eval task names from `evals/tasks/`."""
+    """lm-eval task names from `evals/tasks/` (see `evals.quality.available_tasks`)."""
+    max_length: PositiveInt | None = None
+    """Longest context lm-eval scores (the rolling-perplexity window); default: the base's
+    `max_position_embeddings`, at most 2048."""
+    server_check_docs: int = Field(default=8, ge=0)
+    """Documents per task scored both in-process and through the server (0: no check)."""
     load: LoadEval | None = None
     """Load benchmark settings; no load benchmark when absent."""
+
+    @field_validator("quality")
+    @classmethod
+    def _known_tasks(cls, tasks: list[str]) -> list[str]:
+        from evals.quality import available_tasks
+
+        known = available_tasks()
+        unknown = [t for t in tasks if t not in known]
+        if unknown:
+            raise ValueError(
+                f"unknown lm-eval task(s) {', '.join(unknown)}; the tasks in evals/tasks/ "
+                f"are: {', '.join(known)}"
+            )
+        return tasks
 
 
 class ReportSettings(_Strict):

@@ -16,7 +16,7 @@ variants:
   - {name: base, steps: []}
   - {name: copy, steps: [{identity: {}}]}
 evals:
-  quality: [demo_ppl]
+  quality: [corpus_ppl]
   load: {concurrency: [1, 4], prompt_len: [64], max_tokens: 8}
 """
 
@@ -63,6 +63,16 @@ BAD = {
         "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {load: {max_tokens: -5}}\n",
         "evals.load.max_tokens",
         ["found -5", "greater than 0"],
+    ),
+    "unknown lm-eval task": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {quality: [corpus_ppl, hellaswag]}\n",
+        "evals.quality",
+        ["unknown lm-eval task(s) hellaswag", "corpus_cloze", "shop_colours"],
+    ),
+    "bad kv budget": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {load: {kv_cache_memory: lots}}\n",
+        "evals.load.kv_cache_memory",
+        ["found 'lots'"],
     ),
     "zero concurrency": (
         "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {load: {concurrency: [1, 0]}}\n",

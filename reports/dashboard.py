@@ -1,0 +1,128 @@
+"""`workbench dashboard [reports/]`: one page comparing every run's variants.
+
+Model: a run is a directory `<reports>/<run>/` holding a `report.json`; the directory is read on
+every request, so a report written while the dashboard runs appears on reload. The page
+(`dashboard.html`) asks `/api/runs` what exists and `/api/compare` for the chosen runs and
+variants: the union of their table columns, one row per variant labelled `run / variant`, and
+the report's plots (`reports.figures`) over exactly those variants.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Query
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from reports import figures
+from reports.report import entries
+
+PAGE = Path(__file__).with_name("dashboard.html")
+
+
+def load_runs(root: Path) -> dict[str, dict[str, Any]]:
+    """{run: report} for every readable `<root>/*/report.json`, by run name."""
+    runs = {}
+    for path in sorted(root.glob("*/report.json")):
+        try:
+            runs[path.parent.name] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # a report being written; the next request sees it whole
+    return runs
+
+
+def compare(
+    runs: dict[str, dict[str, Any]], chosen_runs: list[str], chosen: set[str] | None
+) -> dict[str, Any]:
+    """Columns, rows and figures for the chosen runs; `chosen` = labels `run / variant` to
+    keep (None: all)."""
+    columns: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    picked, rows = [], []
+    for run in chosen_runs:
+        report = runs[run]
+        for c in report["columns"]:
+            if c["key"] not in seen:
+                seen.add(c["key"])
+                columns.append(c)
+        for e in entries(report, prefix=f"{run} / "):
+            if chosen is None or e["label"] in chosen:
+                picked.append(e)
+                rows.append({**e["row"], "label": e["label"], "run": run})
+    axis = next((runs[r]["quality_axis"] for r in chosen_runs), {"key": None})
+    key, lower = axis.get("key"), axis.get("lower_is_better", True)
+    figs = figures.all_figures(picked, key, lower)
+    columns.insert(0, {"key": "run", "label": "run", "format": "text"})
+    return {
+        "columns": columns,
+        "rows": rows,
+        "figures": {name: json.loads(fig.to_json()) for name, fig in figs.items()},
+    }
+
+
+@functools.cache
+def plotly_js() -> str:
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()
+
+
+def build_app(root: Path) -> FastAPI:
+    app = FastAPI(title="workbench dashboard")
+
+    @app.get("/", response_class=HTMLResponse)
+    def page() -> str:
+        return PAGE.read_text()
+
+    @app.get("/favicon.ico")
+    def favicon() -> Response:
+        return Response(status_code=204)
+
+    @app.get("/plotly.min.js")
+    def plotly() -> Response:
+        return Response(plotly_js(), media_type="application/javascript")
+
+    @app.get("/api/runs")
+    def list_runs() -> JSONResponse:
+        return JSONResponse(
+            [
+                {
+                    "run": run,
+                    "title": r["title"],
+                    "created": r["created"],
+                    "variants": [v["name"] for v in r["variants"]],
+                }
+                for run, r in load_runs(root).items()
+            ]
+        )
+
+    @app.get("/api/compare")
+    def compare_route(
+        runs: str = Query("", description="comma-separated run names"),
+        variants: str | None = Query(None, description="comma-separated `run / variant` labels"),
+    ) -> JSONResponse:
+        available = load_runs(root)
+        chosen_runs = [r for r in runs.split(",") if r]
+        unknown = [r for r in chosen_runs if r not in available]
+        if unknown:
+            raise HTTPException(
+                404, f"no report for run(s) {', '.join(unknown)} in {root}; known: "
+                f"{', '.join(available) or 'none'}"  # fmt: skip
+            )
+        chosen = None if variants is None else {v for v in variants.split(",") if v}
+        return JSONResponse(compare(available, chosen_runs, chosen))
+
+    return app
+
+
+def serve_dashboard(root: Path, host: str, port: int) -> None:
+    import uvicorn
+
+    if not root.is_dir():
+        raise SystemExit(f"workbench dashboard: {root} is not a directory; give the reports dir")
+    found = len(load_runs(root))
+    print(f"dashboard over {found} run(s) in {root}: http://{host}:{port}/")
+    uvicorn.run(build_app(root), host=host, port=port, log_level="warning")

@@ -1,0 +1,184 @@
+"""The report's plots (plotly), shared by `index.html` and the dashboard.
+
+Every function takes entries `{"label", "row", "load"}` (a variant's table row and its load
+benchmark, labelled `variant` in a report and `run / variant` on the dashboard) and returns a
+figure; each variant is one trace (one per prompt length in the load plots, in one legend group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from reports.rows import pareto_front
+
+Entry = dict[str, Any]
+PALETTE = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf",
+)  # fmt: skip
+
+
+def _colour(i: int) -> str:
+    return PALETTE[i % len(PALETTE)]
+
+
+def quality_vs_memory(entries: list[Entry], quality_key: str, lower_better: bool) -> go.Figure:
+    """Quality against weight memory; the Pareto front (less memory and better quality than
+    every other variant on at least one axis) as a line through its variants."""
+    fig = go.Figure()
+    rows = [
+        {**e["row"], "variant": e["label"]}
+        for e in entries
+        if e["row"].get(quality_key) is not None and e["row"].get("weight_bytes")
+    ]
+    for i, r in enumerate(rows):
+        fig.add_trace(
+            go.Scatter(
+                x=[r["weight_bytes"] / 1e6],
+                y=[r[quality_key]],
+                mode="markers+text",
+                name=r["variant"],
+                text=[r["variant"]],
+                textposition="top center",
+                marker={"size": 12, "color": _colour(i)},
+            )
+        )
+    front = set(pareto_front(rows, quality_key, lower_better))
+    points = sorted((r["weight_bytes"] / 1e6, r[quality_key]) for r in rows if r["variant"] in front)
+    fig.add_trace(
+        go.Scatter(
+            x=[p[0] for p in points],
+            y=[p[1] for p in points],
+            mode="lines",
+            name="Pareto front",
+            line={"dash": "dash", "color": "black"},
+        )
+    )
+    fig.update_layout(
+        title=f"{quality_key} against weight memory",
+        xaxis_title="weights in memory (MB)",
+        yaxis_title=f"{quality_key} ({'lower' if lower_better else 'higher'} is better)",
+    )
+    return fig
+
+
+def _prompt_lens(entries: list[Entry]) -> list[int]:
+    lens = {p["prompt_len"] for e in entries if e.get("load") for p in e["load"]["points"]}
+    return sorted(lens)
+
+
+def _per_prompt_len(entries: list[Entry], metric: Any, title: str, y_title: str) -> go.Figure:
+    lens = _prompt_lens(entries) or [0]
+    fig = make_subplots(rows=1, cols=len(lens), subplot_titles=[f"prompt {n} tokens" for n in lens])
+    for i, e in enumerate(entries):
+        if not e.get("load"):
+            continue
+        for col, length in enumerate(lens, start=1):
+            points = sorted(
+                (p for p in e["load"]["points"] if p["prompt_len"] == length),
+                key=lambda p: p["concurrency"],
+            )
+            fig.add_trace(
+                go.Scatter(
+                    x=[p["concurrency"] for p in points],
+                    y=[metric(p) for p in points],
+                    mode="lines+markers",
+                    name=e["label"],
+                    legendgroup=e["label"],
+                    showlegend=col == 1,
+                    line={"color": _colour(i)},
+                    meta={"prompt_len": length},
+                ),
+                row=1,
+                col=col,
+            )
+    ticks = sorted({p["concurrency"] for e in entries if e.get("load") for p in e["load"]["points"]})
+    fig.update_xaxes(type="log", tickvals=ticks, ticktext=[str(t) for t in ticks])
+    fig.update_xaxes(title_text="concurrent clients")
+    fig.update_yaxes(title_text=y_title, col=1)
+    fig.update_layout(title=title)
+    return fig
+
+
+def throughput_vs_concurrency(entries: list[Entry]) -> go.Figure:
+    return _per_prompt_len(
+        entries, lambda p: p["output_throughput"], "Output throughput", "output tokens / s"
+    )
+
+
+def p95_vs_concurrency(entries: list[Entry]) -> go.Figure:
+    return _per_prompt_len(
+        entries, lambda p: p["e2e"]["p95"], "p95 end-to-end latency", "seconds (p95)"
+    )
+
+
+def kv_vs_concurrency(entries: list[Entry]) -> go.Figure:
+    """Peak KV usage per point; the estimated saturation (KV tokens / (prompt + output)) as a
+    dotted line per variant, the measured one as a star."""
+    fig = _per_prompt_len(
+        entries, lambda p: 100 * p["peak_kv_usage"], "Peak KV cache usage", "KV cache used (%)"
+    )
+    lens = _prompt_lens(entries)
+    for i, e in enumerate(entries):
+        if not e.get("load"):
+            continue
+        for col, length in enumerate(lens, start=1):
+            sat = e["load"]["saturation"].get(str(length))
+            if not sat:
+                continue
+            fig.add_trace(
+                go.Scatter(
+                    x=[sat["estimated_concurrency"]] * 2,
+                    y=[0, 100],
+                    mode="lines",
+                    name=f"{e['label']} estimate",
+                    legendgroup=e["label"],
+                    showlegend=False,
+                    line={"dash": "dot", "color": _colour(i)},
+                    meta={"prompt_len": length, "role": "estimate"},
+                ),
+                row=1,
+                col=col,
+            )
+            measured = sat["measured_concurrency"]
+            point = next(
+                (
+                    p
+                    for p in e["load"]["points"]
+                    if p["prompt_len"] == length and p["concurrency"] == measured
+                ),
+                None,
+            )
+            if point:
+                fig.add_trace(
+                    go.Scatter(
+                        x=[measured],
+                        y=[100 * point["peak_kv_usage"]],
+                        mode="markers",
+                        name=f"{e['label']} saturated",
+                        legendgroup=e["label"],
+                        showlegend=False,
+                        marker={"symbol": "star", "size": 16, "color": _colour(i)},
+                        meta={"prompt_len": length, "role": "measured"},
+                    ),
+                    row=1,
+                    col=col,
+                )
+    fig.update_yaxes(range=[0, 105])
+    return fig
+
+
+def all_figures(entries: list[Entry], quality_key: str | None, lower_better: bool) -> dict:
+    """{plot id: figure}; the quality plot only when a quality metric exists, the load plots
+    only when some entry has a load benchmark."""
+    figs: dict[str, go.Figure] = {}
+    if quality_key:
+        figs["quality"] = quality_vs_memory(entries, quality_key, lower_better)
+    if any(e.get("load") for e in entries):
+        figs["throughput"] = throughput_vs_concurrency(entries)
+        figs["latency"] = p95_vs_concurrency(entries)
+        figs["kv"] = kv_vs_concurrency(entries)
+    return figs

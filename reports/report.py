@@ -1,0 +1,205 @@
+"""The recipe's report: `report.json` (every figure), `report.md` (the table) and `index.html`
+(the table and the plots), written whole into `reports/<recipe>/`.
+
+`report.json` holds, per variant, its table row, lm-eval results and load benchmark; the table's
+columns; the Pareto front; the server check; how the figures were made (machine, packages).
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+from reports import figures
+from reports.rows import add_recovery, columns, headline, lower_is_better, pareto_front, variant_row
+
+SCHEMA = 1
+
+
+def quality_axis(report: dict[str, Any]) -> tuple[str | None, bool]:
+    """The table key the quality plot and Pareto front use: the first perplexity task, else
+    the first task."""
+    tasks = report["settings"]["quality_tasks"]
+    for v in report["variants"]:
+        for task in tasks:
+            metric = headline(v.get("quality", {}).get("tasks", {}).get(task, {}))
+            if metric and lower_is_better(metric[0]):
+                return task, True
+    for v in report["variants"]:
+        for task in tasks:
+            if headline(v.get("quality", {}).get("tasks", {}).get(task, {})):
+                return task, False
+    return None, True
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def build_report(
+    recipe: Any,
+    manifests: dict[str, dict[str, Any]],
+    quality: dict[str, dict[str, Any]],
+    load: dict[str, dict[str, Any]],
+    server_check: dict[str, Any] | None,
+    reused: list[str],
+) -> dict[str, Any]:
+    """`manifests` in recipe order: {variant: manifest}; the rest keyed by variant name."""
+    tasks = list(recipe.evals.quality)
+    load_settings = recipe.evals.load.model_dump(mode="json") if recipe.evals.load else None
+    rows = [variant_row(n, m, quality.get(n), load.get(n)) for n, m in manifests.items()]
+    add_recovery(rows, tasks, quality)
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "recipe": recipe.name,
+        "title": recipe.report.title or f"{recipe.name}: variants compared",
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "settings": {"quality_tasks": tasks, "load": load_settings},
+        "columns": columns(tasks, quality, load_settings),
+        "variants": [
+            {
+                "name": name,
+                "row": row,
+                "manifest": {k: m.get(k) for k in ("kind", "hash", "steps", "quantization")},
+                "quality": quality.get(name),
+                "load": load.get(name),
+            }
+            for (name, m), row in zip(manifests.items(), rows, strict=True)
+        ],
+        "server_check": server_check,
+        "reused": reused,
+    }
+    key, lower = quality_axis(report)
+    report["quality_axis"] = {"key": key, "lower_is_better": lower}
+    report["pareto_front"] = pareto_front(rows, key, lower) if key else []
+    return report
+
+
+def entries(report: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
+    return [
+        {"label": f"{prefix}{v['name']}", "row": v["row"], "load": v["load"]}
+        for v in report["variants"]
+    ]
+
+
+def fmt(value: Any, kind: str) -> str:
+    if value is None:
+        return "–"
+    if kind == "bytes":
+        return f"{value / 1e6:.2f} MB"
+    if kind == "int":
+        return f"{value:,.0f}"
+    if kind == "pct":
+        return f"{100 * value:.1f}%"
+    if kind == "pct100":
+        return f"{value:.1f}%"
+    if kind == "float":
+        return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    cols = report["columns"]
+    lines = [f"# {report['title']}", ""]
+    m = report["machine"]
+    lines += [
+        f"Created {report['created']} on {m['platform']}, {m['cpu_count']} CPUs, torch "
+        f"{m['torch']}{', ' + m['cuda'] if m['cuda'] else ''}.",
+        "",
+        "| " + " | ".join(c["label"] for c in cols) + " |",
+        "|" + "|".join("---" if c["format"] == "text" else "---:" for c in cols) + "|",
+    ]
+    for v in report["variants"]:
+        lines.append("| " + " | ".join(fmt(v["row"].get(c["key"]), c["format"]) for c in cols) + " |")
+    lines += ["", f"Pareto front (weight memory vs {report['quality_axis']['key']}): "
+              f"{', '.join(report['pareto_front']) or '–'}.", ""]  # fmt: skip
+    for v in report["variants"]:
+        if v["load"]:
+            for length, sat in v["load"]["saturation"].items():
+                lines.append(
+                    f"- {v['name']}, prompt {length}: KV saturated at concurrency "
+                    f"{sat['measured_concurrency'] or 'not reached'} (estimate "
+                    f"{sat['estimated_concurrency']:.1f} from {v['load']['kv_tokens']:.0f} KV tokens)"
+                )
+    check = report.get("server_check")
+    if check:
+        lines += ["", f"Server check ({check['variant']}, lm-eval local-completions vs in-process, "
+                  f"tolerance {check['abs_tol']} + {check['rel_tol']}·|ll| nats): "
+                  f"{'agree' if check['ok'] else 'DISAGREE'}"]  # fmt: skip
+        for task, t in check["tasks"].items():
+            lines.append(
+                f"- {task}: {t['requests']} requests, max |Δ| {t['max_abs_diff']:.2e} nats "
+                f"(relative {t['max_rel_diff']:.1e})"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def html_table(report: dict[str, Any]) -> str:
+    cols = report["columns"]
+    head = "".join(f"<th>{html.escape(c['label'])}</th>" for c in cols)
+    body = "".join(
+        "<tr>"
+        + "".join(f"<td>{html.escape(fmt(v['row'].get(c['key']), c['format']))}</td>" for c in cols)
+        + "</tr>"
+        for v in report["variants"]
+    )
+    return f"<table id='variants'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>{title}</title>
+<script src="plotly.min.js"></script>
+<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;font-size:13px}}
+td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}} td:first-child{{text-align:left}}</style>
+</head><body><h1>{title}</h1><p>{subtitle}</p>{table}{plots}
+<p>All figures: <a href="report.json">report.json</a>; table: <a href="report.md">report.md</a>.</p>
+</body></html>
+"""
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> None:
+    """report.json, report.md, index.html and plotly.min.js into `out_dir`, each whole."""
+    from plotly.offline import get_plotlyjs
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    key, lower = report["quality_axis"]["key"], report["quality_axis"]["lower_is_better"]
+    figs = figures.all_figures(entries(report), key, lower)
+    plots = "".join(
+        fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{name}")
+        for name, fig in figs.items()
+    )
+    m = report["machine"]
+    page = PAGE.format(
+        title=html.escape(report["title"]),
+        subtitle=html.escape(f"{report['created']}, {m['cpu_count']} CPUs, torch {m['torch']}"),
+        table=html_table(report),
+        plots=plots,
+    )
+    files = {
+        "report.json": json.dumps(report, indent=2),
+        "report.md": markdown(report),
+        "index.html": page,
+    }
+    js = out_dir / "plotly.min.js"
+    if not js.exists():
+        js.with_suffix(".tmp").write_text(get_plotlyjs())
+        js.with_suffix(".tmp").replace(js)
+    for name, text in files.items():
+        tmp = out_dir / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out_dir / name)
+

@@ -1,0 +1,46 @@
+"""A real `workbench run` of tests/reports/small.yaml, shared by the report and dashboard tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+RECIPE = Path(__file__).with_name("small.yaml")
+
+
+@dataclass(frozen=True)
+class Run:
+    root: Path
+    """The working directory: recipe.yaml, runs/small/, reports/small/."""
+    output: str
+
+    @property
+    def report_dir(self) -> Path:
+        return self.root / "reports" / "small"
+
+
+def workbench_run(root: Path, *flags: str) -> str:
+    """`workbench run recipe.yaml` in `root`; its combined output (fails the test on error)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "run", "recipe.yaml", *flags],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    root = tmp_path_factory.mktemp("small-run")
+    shutil.copy(RECIPE, root / "recipe.yaml")
+    return Run(root, workbench_run(root))

@@ -1,0 +1,178 @@
+"""`workbench dashboard` in a real headless browser (Debian's chromium + chromedriver, which
+`make test` installs): rows, cells and plot traces against report.json; sorting; choosing runs
+and variants; a screenshot."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from reports.dashboard import build_app
+from reports.report import fmt
+from tests.reports.conftest import Run
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+
+
+@pytest.fixture
+def reports_dir(small_run: Run, tmp_path: Path) -> Path:
+    """Two runs: the small recipe's report, and a copy named `other` without its int8 variant
+    and with the base's weight memory doubled (so the runs sort apart)."""
+    root = tmp_path / "reports"
+    shutil.copytree(small_run.report_dir, root / "small")
+    other = json.loads((small_run.report_dir / "report.json").read_text())
+    other["variants"] = [v for v in other["variants"] if v["name"] != "int8"]
+    other["variants"][0]["row"]["weight_bytes"] *= 2
+    (root / "other").mkdir()
+    (root / "other" / "report.json").write_text(json.dumps(other))
+    return root
+
+
+@pytest.fixture
+def dashboard(reports_dir: Path) -> Iterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(reports_dir), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    for _ in range(100):
+        if server.started:
+            break
+        time.sleep(0.05)
+    yield url
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def browser() -> Iterator[object]:
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        pytest.skip(
+            "Debian's chromium and chromium-driver are not installed and could not be "
+            "(`make test` runs apt-get install chromium chromium-driver as root)"
+        )
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--window-size=1400,2400",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    yield driver
+    driver.quit()
+
+
+def _wait_updates(driver: object, count: int) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(driver, 30).until(
+        lambda d: int(d.execute_script("return document.body.dataset.updates || 0")) >= count
+    )
+
+
+def _labels(driver: object) -> list[str]:
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#variants-table tbody tr')].map(r => r.dataset.label)"
+    )
+
+
+def _traces(driver: object, plot: str) -> list[str]:
+    return driver.execute_script(
+        f"return document.getElementById('plot-{plot}').data.map(t => t.name)"
+    )
+
+
+def _click(driver: object, selector: str) -> None:
+    driver.execute_script(f"document.querySelector({json.dumps(selector)}).click()")
+
+
+def test_dashboard_in_a_real_browser(
+    browser: object, dashboard: str, reports_dir: Path, tmp_path: Path
+) -> None:
+    reports = {
+        r: json.loads((reports_dir / r / "report.json").read_text()) for r in ("other", "small")
+    }
+    browser.get(dashboard + "/")
+    _wait_updates(browser, 1)
+
+    # every variant of both runs, in run order, with each cell as report.json formats it
+    expected = [f"{run} / {v['name']}" for run, r in reports.items() for v in r["variants"]]
+    assert _labels(browser) == expected
+    for run, r in reports.items():
+        for v in r["variants"]:
+            label = f"{run} / {v['name']}"
+            for c in r["columns"][1:]:
+                cell = browser.execute_script(
+                    "return document.querySelector(`tr[data-label='${arguments[0]}'] "
+                    "td[data-key='${arguments[1]}']`).textContent",
+                    label,
+                    c["key"],
+                )
+                assert cell == fmt(v["row"].get(c["key"]), c["format"]), (label, c["key"])
+
+    # one trace per variant (+ the Pareto front); one per variant and prompt length in the load plots
+    assert _traces(browser, "quality") == [*expected, "Pareto front"]
+    lens = reports["small"]["settings"]["load"]["prompt_len"]
+    assert _traces(browser, "throughput") == [label for label in expected for _ in lens]
+    kv_names = _traces(browser, "kv")
+    assert kv_names[: len(expected) * len(lens)] == [label for label in expected for _ in lens]
+    assert sum(name.endswith(" estimate") for name in kv_names) == len(expected) * len(lens)
+
+    # sort by weight memory: ascending, then descending on a second click
+    weights = {
+        f"{run} / {v['name']}": v["row"]["weight_bytes"]
+        for run, r in reports.items()
+        for v in r["variants"]
+    }
+    _click(browser, "th[data-key='weight_bytes']")
+    ascending = _labels(browser)
+    assert [weights[x] for x in ascending] == sorted(weights.values())
+    _click(browser, "th[data-key='weight_bytes']")
+    assert [weights[x] for x in _labels(browser)] == sorted(weights.values(), reverse=True)
+
+    # untick a variant, then a whole run: the table and the plots follow
+    _click(browser, "#variants input[value='small / int8']")
+    _wait_updates(browser, 2)
+    assert "small / int8" not in _labels(browser)
+    assert "small / int8" not in _traces(browser, "quality")
+    _click(browser, "#runs input[value='other']")
+    _wait_updates(browser, 3)
+    assert sorted(_labels(browser)) == sorted(
+        f"small / {v['name']}" for v in reports["small"]["variants"]
+    )
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+
+    shot = Path(os.environ.get("WORKBENCH_SCREENSHOT_DIR", tmp_path)) / "dashboard.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    _click(browser, "#runs input[value='other']")
+    _wait_updates(browser, 4)
+    assert browser.save_screenshot(str(shot))
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_unknown_run_is_a_clear_404(dashboard: str) -> None:
+    r = httpx.get(f"{dashboard}/api/compare", params={"runs": "small,nope"})
+    assert r.status_code == 404
+    assert (
+        "no report for run(s) nope" in r.json()["detail"]
+        and "known: other, small" in r.json()["detail"]
+    )

@@ -1,0 +1,166 @@
+"""The report of a real run of tests/reports/small.yaml: figures, files, reuse and --force."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from evals.quality import evaluate_model, summarize
+from reports.report import fmt
+from tests.reports.conftest import Run, workbench_run
+from workbench.demo import ensure_demo_model
+
+TASKS = ["corpus_ppl", "corpus_cloze", "shift_ppl", "shop_colours"]
+VARIANTS = ["base", "int8", "shop-lora"]
+CONCURRENCY, PROMPT_LENS, MAX_TOKENS = [1, 4, 8, 16, 32], [16, 48], 16
+
+
+def report_of(run: Run) -> dict:
+    return json.loads((run.report_dir / "report.json").read_text())
+
+
+def test_quality_comes_from_lm_eval_over_the_local_tasks(small_run: Run) -> None:
+    report = report_of(small_run)
+    assert [v["name"] for v in report["variants"]] == VARIANTS
+    documents = {"corpus_ppl": 34, "corpus_cloze": 200, "shift_ppl": 20, "shop_colours": 96}
+    for v in report["variants"]:
+        tasks = v["quality"]["tasks"]
+        assert sorted(tasks) == sorted(TASKS)
+        for task, n in documents.items():
+            assert tasks[task]["samples"] == n
+        for task in ("corpus_cloze", "shop_colours"):
+            assert 0.0 <= tasks[task]["acc"] <= 1.0
+            assert v["row"][task] == tasks[task]["acc"]
+        for task in ("corpus_ppl", "shift_ppl"):
+            assert tasks[task]["word_perplexity"] > tasks[task]["byte_perplexity"] > 1.0
+            assert v["row"][task] == tasks[task]["word_perplexity"]
+    # the base's figures equal lm-eval run here, in-process, on the same model and settings
+    path = ensure_demo_model("demo-tiny")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    here = summarize(evaluate_model(model, tok, ["corpus_ppl", "corpus_cloze"], 64), TASKS[:2])
+    base = report["variants"][0]["quality"]["tasks"]
+    assert here["corpus_ppl"]["word_perplexity"] == pytest.approx(
+        base["corpus_ppl"]["word_perplexity"], rel=1e-6
+    )
+    assert here["corpus_cloze"]["acc"] == base["corpus_cloze"]["acc"]
+
+
+def test_recovery_and_pareto_front(small_run: Run) -> None:
+    report = report_of(small_run)
+    rows = {v["name"]: v["row"] for v in report["variants"]}
+    for task in TASKS:
+        assert rows["base"][f"recovery_{task}"] == pytest.approx(100.0)
+    assert rows["int8"]["recovery_corpus_ppl"] == pytest.approx(
+        100.0 * rows["base"]["corpus_ppl"] / rows["int8"]["corpus_ppl"]
+    )
+    assert rows["int8"]["recovery_corpus_cloze"] == pytest.approx(
+        100.0 * rows["int8"]["corpus_cloze"] / rows["base"]["corpus_cloze"]
+    )
+    assert rows["int8"]["weight_bytes"] < rows["base"]["weight_bytes"]
+    assert rows["shop-lora"]["weight_bytes"] > rows["base"]["weight_bytes"]  # base + adapter
+    assert report["quality_axis"] == {"key": "corpus_ppl", "lower_is_better": True}
+
+    def dominates(a: dict, b: dict) -> bool:
+        le = a["weight_bytes"] <= b["weight_bytes"] and a["corpus_ppl"] <= b["corpus_ppl"]
+        lt = a["weight_bytes"] < b["weight_bytes"] or a["corpus_ppl"] < b["corpus_ppl"]
+        return le and lt
+
+    front = set(report["pareto_front"])
+    assert front, "some variant is always on the front"
+    for name, row in rows.items():
+        beaten = any(dominates(other, row) for o, other in rows.items() if o != name)
+        assert beaten == (name not in front), name
+
+
+def test_load_points_and_kv_saturation(small_run: Run) -> None:
+    report = report_of(small_run)
+    config = AutoConfig.from_pretrained(ensure_demo_model("demo-tiny"))
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    for v in report["variants"]:
+        load = v["load"]
+        assert load["server"]["model"] == v["name"]  # an adapter is requested by its own name
+        assert load["server"]["kv_bytes_per_token"] == kv_bytes == v["row"]["kv_bytes_per_token"]
+        assert load["kv_tokens"] == 256 * 1024 // kv_bytes
+        points = {(p["concurrency"], p["prompt_len"]): p for p in load["points"]}
+        assert sorted(points) == sorted((c, p) for c in CONCURRENCY for p in PROMPT_LENS)
+        for (c, _), point in points.items():
+            assert point["requests"] == max(2 * c, 8) and point["failed"] == 0
+            assert point["output_throughput"] > 0
+            assert point["e2e"]["p50"] <= point["e2e"]["p95"] <= point["e2e"]["p99"]
+            assert point["saturated"] == (
+                point["peak_waiting"] > 0 and point["peak_kv_usage"] >= 0.9
+            )
+        for p in PROMPT_LENS:
+            sat = load["saturation"][str(p)]
+            assert sat["estimated_concurrency"] == pytest.approx(
+                load["kv_tokens"] / (p + MAX_TOKENS)
+            )
+            first = next((c for c in CONCURRENCY if points[(c, p)]["saturated"]), None)
+            assert sat["measured_concurrency"] == first
+            assert v["row"][f"saturation_p{p}"] == first
+        # 32 clients x 64 tokens need 4x the 512-token cache: the longer prompts must saturate
+        assert load["saturation"]["48"]["measured_concurrency"] is not None
+        assert v["row"]["p95_e2e_c16_p48"] == points[(16, 48)]["e2e"]["p95"]
+
+
+def test_server_check_agrees(small_run: Run) -> None:
+    check = report_of(small_run)["server_check"]
+    assert check["variant"] == "base" and check["ok"] is True
+    assert sorted(check["tasks"]) == sorted(TASKS)
+    for t in check["tasks"].values():
+        assert t["requests"] >= 4 and t["max_abs_diff"] <= check["abs_tol"]
+
+
+def test_markdown_and_html(small_run: Run) -> None:
+    report = report_of(small_run)
+    md = (small_run.report_dir / "report.md").read_text()
+    header = "| " + " | ".join(c["label"] for c in report["columns"]) + " |"
+    assert header in md
+    for v in report["variants"]:
+        cells = [fmt(v["row"].get(c["key"]), c["format"]) for c in report["columns"]]
+        assert "| " + " | ".join(cells) + " |" in md
+    page = (small_run.report_dir / "index.html").read_text()
+    for plot in ("quality", "throughput", "latency", "kv"):
+        assert f'id="plot-{plot}"' in page
+    assert page.count("<tr>") == 1 + len(VARIANTS)
+    assert (small_run.report_dir / "plotly.min.js").stat().st_size > 1_000_000
+
+
+def _eval_files(root: Path) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime_ns for p in sorted((root / "runs").rglob("evals/*/*.json"))}
+
+
+def test_rerun_reuses_variants_and_measurements(small_run: Run) -> None:
+    before = _eval_files(small_run.root)
+    output = workbench_run(small_run.root)
+    assert "built 0 variant(s)" in output
+    report = report_of(small_run)
+    expected = [f"{v}/{what}" for v in VARIANTS for what in ("quality", "load")]
+    assert sorted(report["reused"]) == sorted([*expected, "base/server_check"])
+    assert _eval_files(small_run.root) == before
+
+
+def test_force_builds_and_measures_again(small_run: Run, tmp_path: Path) -> None:
+    root = tmp_path / "copy"
+    shutil.copytree(small_run.root, root)
+    before = json.loads((root / "runs/small/variants/base/workbench.json").read_text())
+    measured_before = {k: v for k, v in _eval_files(root).items() if "/evals/base/" in k}
+    assert len(measured_before) == 3  # quality, load, server_check
+    output = workbench_run(root, "--force", "--variant", "base")
+    assert "built 1 variant(s) ['base']" in output
+    report = report_of(Run(root, output))
+    assert report["reused"] == [] and [v["name"] for v in report["variants"]] == ["base"]
+    after = json.loads((root / "runs/small/variants/base/workbench.json").read_text())
+    assert after["hash"] == before["hash"]
+    measured_after = {k: v for k, v in _eval_files(root).items() if "/evals/base/" in k}
+    assert measured_after.keys() == measured_before.keys()
+    assert all(measured_after[k] != measured_before[k] for k in measured_after)
+    stored = json.loads((root / "runs/small/evals/base/quality.json").read_text())
+    assert stored["result"] == report["variants"][0]["quality"]
