@@ -191,6 +191,7 @@ def sweep(
     max_tokens: int,
     requests_per_point: int | None = None,
     model: str | None = None,
+    requests_per_client: int = 2,
 ) -> dict:
     """All points, with the saturation point per prompt length and its estimate. `model` is
     the name requests send (default: the server's base model; an adapter's name measures it)."""
@@ -203,7 +204,7 @@ def sweep(
     with tqdm(total=total, desc=f"load {info['model']}", unit="point") as bar:
         for p in prompt_lens:
             for c in concurrency:
-                n = requests_per_point or max(2 * c, 8)
+                n = requests_per_point or max(requests_per_client * c, 8)
                 point = asyncio.run(run_point(url, str(info["model"]), c, p, max_tokens, n))
                 point.saturated = point.peak_waiting > 0 and point.peak_kv_usage >= 0.9
                 result["points"].append(asdict(point))

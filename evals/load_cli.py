@@ -46,7 +46,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     p.add_argument(
-        "--requests", type=int, help="requests per point (default: max(2 x concurrency, 8))"
+        "--requests",
+        type=int,
+        help="requests per point (default: max(--requests-per-client x concurrency, 8))",
+    )
+    p.add_argument(
+        "--requests-per-client", type=int, default=2, help="requests each client sends (default 2)"
     )
     p.add_argument("--out", default="reports/bench.json", help="JSON results file")
 
@@ -90,10 +95,24 @@ def run_bench(args: argparse.Namespace, serve_flags: list[str]) -> dict:
         )
     out = Path(args.out)
     if args.url:
-        result = sweep(args.url, args.concurrency, args.prompt_len, args.max_tokens, args.requests)
+        result = sweep(
+            args.url,
+            args.concurrency,
+            args.prompt_len,
+            args.max_tokens,
+            args.requests,
+            requests_per_client=args.requests_per_client,
+        )
     else:
         with served(args.model, serve_flags, out.with_suffix(".server.log")) as url:
-            result = sweep(url, args.concurrency, args.prompt_len, args.max_tokens, args.requests)
+            result = sweep(
+                url,
+                args.concurrency,
+                args.prompt_len,
+                args.max_tokens,
+                args.requests,
+                requests_per_client=args.requests_per_client,
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     return result

@@ -81,15 +81,30 @@ def evaluate_model(
     log_samples: bool = False,
 ) -> dict[str, Any]:
     """lm-eval's full results dict for `model` (a transformers or PEFT model) on `tasks`."""
-    from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     with offline_hub():
         lm = HFLM(
             pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length
         )
+        return run_tasks(lm, None, tasks, limit, log_samples)
+
+
+def run_tasks(
+    model: Any,
+    model_args: dict[str, Any] | None,
+    tasks: list[str],
+    limit: int | None,
+    log_samples: bool,
+) -> dict[str, Any]:
+    """`simple_evaluate` on the bundled tasks, hub off; `model` is an lm-eval model object or
+    a registered model name with its `model_args`. Stderr is skipped (`bootstrap_iters=0`)."""
+    from lm_eval import simple_evaluate
+
+    with offline_hub():
         return simple_evaluate(
-            model=lm,
+            model=model,
+            model_args=model_args,
             tasks=tasks,
             task_manager=task_manager(),
             limit=limit,
@@ -97,7 +112,3 @@ def evaluate_model(
             bootstrap_iters=0,
             verbosity="ERROR",
         )
-
-
-def default_max_length(config: Any) -> int:
-    return int(getattr(config, "max_position_embeddings", 2048) or 2048)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from evals.quality import evaluate_model, offline_hub, task_manager
+from evals.quality import evaluate_model, run_tasks
 
 ABS_TOL = 1e-3
 """Nats per request: float32 on both sides, different kernels (paged attention vs SDPA)."""
@@ -22,28 +22,17 @@ REL_TOL = 1e-6
 def server_results(
     url: str, model_name: str, tokenizer_dir: str, tasks: list[str], max_length: int, limit: int
 ) -> dict[str, Any]:
-    from lm_eval import simple_evaluate
-
-    with offline_hub():
-        return simple_evaluate(
-            model="local-completions",
-            model_args={
-                "model": model_name,
-                "base_url": f"{url}/v1/completions",
-                "tokenizer": tokenizer_dir,
-                "tokenizer_backend": "huggingface",
-                "add_bos_token": True,  # as HFLM, which keeps the tokenizer's special tokens
-                "max_length": max_length + 2,
-                "num_concurrent": 4,
-                "max_retries": 1,
-            },
-            tasks=tasks,
-            task_manager=task_manager(),
-            limit=limit,
-            log_samples=True,
-            bootstrap_iters=0,
-            verbosity="ERROR",
-        )
+    model_args = {
+        "model": model_name,
+        "base_url": f"{url}/v1/completions",
+        "tokenizer": tokenizer_dir,
+        "tokenizer_backend": "huggingface",
+        "add_bos_token": True,  # as HFLM, which keeps the tokenizer's special tokens
+        "max_length": max_length + 2,
+        "num_concurrent": 4,
+        "max_retries": 1,
+    }
+    return run_tasks("local-completions", model_args, tasks, limit, log_samples=True)
 
 
 def _pairs(response: Any) -> list[tuple[float, bool | None]]:

@@ -157,7 +157,8 @@ def html_table(report: dict[str, Any]) -> str:
         + "</tr>"
         for v in report["variants"]
     )
-    return f"<table id='variants'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    table = f"<table id='variants'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<div style='overflow-x:auto'>{table}</div>"
 
 
 PAGE = """<!doctype html>

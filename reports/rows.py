@@ -1,10 +1,11 @@
 """One row per variant: the figures the report's table, plots and dashboard show.
 
 Model: a row is a flat dict of numbers and names built from a variant's manifest, its lm-eval
-results and its load benchmark. `COLUMNS` says how each is labelled and which direction is
+results and its load benchmark; `columns` says how each is labelled and which direction is
 better. Quality per task is one headline metric (word perplexity for rolling-perplexity tasks,
-accuracy for multiple choice); recovery against the base is base/variant for perplexity and
-variant/base for accuracy (100% = the base's quality).
+accuracy for multiple choice). Recovery against the base (100% = the base's quality) is
+variant/base accuracy, and for perplexity base/variant bits per byte (the log of perplexity,
+so a variant twice as perplexed per byte is at 50%, not at a ratio of exponentials).
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def variant_row(
         top = headline(metrics)
         if top:
             row[task] = top[1]
+        if "bits_per_byte" in metrics:
+            row[f"{task}_bits_per_byte"] = metrics["bits_per_byte"]
     row.update(load_columns(load))
     return row
 
@@ -100,7 +103,8 @@ def add_recovery(rows: list[dict[str, Any]], tasks: list[str], quality: dict[str
             if value is None or not ref or metric is None:
                 r[f"recovery_{task}"] = None
             elif lower_is_better(metric[0]):
-                r[f"recovery_{task}"] = 100.0 * ref / value
+                bpb, ref_bpb = r.get(f"{task}_bits_per_byte"), base.get(f"{task}_bits_per_byte")
+                r[f"recovery_{task}"] = 100.0 * ref_bpb / bpb if bpb and ref_bpb else None
             else:
                 r[f"recovery_{task}"] = 100.0 * value / ref
 
@@ -154,7 +158,7 @@ def columns(tasks: list[str], quality: dict[str, Any], load_settings: dict | Non
         cols.append(
             {
                 "key": f"recovery_{task}",
-                "label": f"{task} recovery",
+                "label": f"{task} recovery{' (bits/byte)' if lower else ''}",
                 "format": "pct100",
                 "better": "higher",
             }

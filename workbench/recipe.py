@@ -71,8 +71,10 @@ class LoadEval(_Strict):
     """Prompt lengths in tokens."""
     max_tokens: PositiveInt = 64
     """Output tokens per request."""
+    requests_per_client: PositiveInt = 2
+    """Requests each client sends back to back: a point has max(this x concurrency, 8)."""
     requests_per_point: PositiveInt | None = None
-    """Requests per point; default max(2 x concurrency, 8)."""
+    """A fixed number of requests per point instead."""
     kv_cache_memory: str | None = Field(default=None, pattern=r"^\d+(\.\d+)?\s*([KMG]i?B)?$")
     """The server's KV cache budget, e.g. 8MiB (default: the server's own)."""
     max_num_seqs: PositiveInt = 256

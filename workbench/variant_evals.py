@@ -166,7 +166,13 @@ def _sweep(url: str, load: LoadEval, model: str) -> dict[str, Any]:
     from evals.load import sweep
 
     return sweep(
-        url, load.concurrency, load.prompt_len, load.max_tokens, load.requests_per_point, model
+        url,
+        load.concurrency,
+        load.prompt_len,
+        load.max_tokens,
+        load.requests_per_point,
+        model,
+        load.requests_per_client,
     )
 
 

@@ -39,6 +39,7 @@ def test_quality_comes_from_lm_eval_over_the_local_tasks(small_run: Run) -> None
         for task in ("corpus_ppl", "shift_ppl"):
             assert tasks[task]["word_perplexity"] > tasks[task]["byte_perplexity"] > 1.0
             assert v["row"][task] == tasks[task]["word_perplexity"]
+            assert v["row"][f"{task}_bits_per_byte"] == tasks[task]["bits_per_byte"]
     # the base's figures equal lm-eval run here, in-process, on the same model and settings
     path = ensure_demo_model("demo-tiny")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -57,7 +58,7 @@ def test_recovery_and_pareto_front(small_run: Run) -> None:
     for task in TASKS:
         assert rows["base"][f"recovery_{task}"] == pytest.approx(100.0)
     assert rows["int8"]["recovery_corpus_ppl"] == pytest.approx(
-        100.0 * rows["base"]["corpus_ppl"] / rows["int8"]["corpus_ppl"]
+        100.0 * rows["base"]["corpus_ppl_bits_per_byte"] / rows["int8"]["corpus_ppl_bits_per_byte"]
     )
     assert rows["int8"]["recovery_corpus_cloze"] == pytest.approx(
         100.0 * rows["int8"]["corpus_cloze"] / rows["base"]["corpus_cloze"]
