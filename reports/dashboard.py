@@ -108,9 +108,9 @@ def build_app(root: Path) -> FastAPI:
         chosen_runs = [r for r in runs.split(",") if r]
         unknown = [r for r in chosen_runs if r not in available]
         if unknown:
+            known = ", ".join(available) or "none"
             raise HTTPException(
-                404, f"no report for run(s) {', '.join(unknown)} in {root}; known: "
-                f"{', '.join(available) or 'none'}"  # fmt: skip
+                404, f"no report for run(s) {', '.join(unknown)} in {root}; known: {known}"
             )
         chosen = None if variants is None else {v for v in variants.split(",") if v}
         return JSONResponse(compare(available, chosen_runs, chosen))
