@@ -47,7 +47,9 @@ def quality_vs_memory(entries: list[Entry], quality_key: str, lower_better: bool
             )
         )
     front = set(pareto_front(rows, quality_key, lower_better))
-    points = sorted((r["weight_bytes"] / 1e6, r[quality_key]) for r in rows if r["variant"] in front)
+    points = sorted(
+        (r["weight_bytes"] / 1e6, r[quality_key]) for r in rows if r["variant"] in front
+    )
     fig.add_trace(
         go.Scatter(
             x=[p[0] for p in points],
@@ -95,7 +97,9 @@ def _per_prompt_len(entries: list[Entry], metric: Any, title: str, y_title: str)
                 row=1,
                 col=col,
             )
-    ticks = sorted({p["concurrency"] for e in entries if e.get("load") for p in e["load"]["points"]})
+    ticks = sorted(
+        {p["concurrency"] for e in entries if e.get("load") for p in e["load"]["points"]}
+    )
     fig.update_xaxes(type="log", tickvals=ticks, ticktext=[str(t) for t in ticks])
     fig.update_xaxes(title_text="concurrent clients")
     fig.update_yaxes(title_text=y_title, col=1)

@@ -124,7 +124,9 @@ def markdown(report: dict[str, Any]) -> str:
         "|" + "|".join("---" if c["format"] == "text" else "---:" for c in cols) + "|",
     ]
     for v in report["variants"]:
-        lines.append("| " + " | ".join(fmt(v["row"].get(c["key"]), c["format"]) for c in cols) + " |")
+        lines.append(
+            "| " + " | ".join(fmt(v["row"].get(c["key"]), c["format"]) for c in cols) + " |"
+        )
     lines += ["", f"Pareto front (weight memory vs {report['quality_axis']['key']}): "
               f"{', '.join(report['pareto_front']) or '–'}.", ""]  # fmt: skip
     for v in report["variants"]:
@@ -203,4 +205,3 @@ def write_report(report: dict[str, Any], out_dir: Path) -> None:
         tmp = out_dir / f".{name}.tmp"
         tmp.write_text(text)
         tmp.replace(out_dir / name)
-

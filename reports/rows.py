@@ -165,13 +165,33 @@ def columns(tasks: list[str], quality: dict[str, Any], load_settings: dict | Non
         )
     if load_settings:
         cols += [
-            {"key": "peak_output_tok_s", "label": "peak tok/s", "format": "float", "better": "higher"},
+            {
+                "key": "peak_output_tok_s",
+                "label": "peak tok/s",
+                "format": "float",
+                "better": "higher",
+            },
             {"key": "peak_req_s", "label": "peak req/s", "format": "float", "better": "higher"},
         ]
         for length in load_settings["prompt_len"]:
             cols += [
-                {"key": f"p95_e2e_c16_p{length}", "label": f"p95 e2e s @c16 p{length}", "format": "float", "better": "lower"},
-                {"key": f"saturation_p{length}", "label": f"saturation conc. p{length}", "format": "int", "better": "higher"},
-                {"key": f"saturation_estimate_p{length}", "label": f"estimate p{length}", "format": "float", "better": None},
+                {
+                    "key": f"p95_e2e_c16_p{length}",
+                    "label": f"p95 e2e s @c16 p{length}",
+                    "format": "float",
+                    "better": "lower",
+                },
+                {
+                    "key": f"saturation_p{length}",
+                    "label": f"saturation conc. p{length}",
+                    "format": "int",
+                    "better": "higher",
+                },
+                {
+                    "key": f"saturation_estimate_p{length}",
+                    "label": f"estimate p{length}",
+                    "format": "float",
+                    "better": None,
+                },
             ]
     return cols
