@@ -39,7 +39,7 @@ def quality_vs_memory(entries: list[Entry], quality_key: str, lower_better: bool
             go.Scatter(
                 x=[r["weight_bytes"] / 1e6],
                 y=[r[quality_key]],
-                mode="markers+text",
+                mode="markers+text" if len(rows) <= 10 else "markers",  # labels, or hover
                 name=r["variant"],
                 text=[r["variant"]],
                 textposition="top center",

@@ -17,7 +17,7 @@ from workbench.pipeline import Pipeline, PipelineError, VariantResult
 from workbench.recipe import Recipe, RecipeError, load_recipe
 
 console = Console(stderr=True)
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes get whole tables
 
 
 def _size(n: float) -> str:
@@ -117,14 +117,19 @@ def _report(
 
 
 def _report_table(report: dict) -> Table:
+    """The report's headline columns under short labels (report.md has them all)."""
     from reports.report import fmt
 
     table = Table(title=report["title"])
     tasks = report["settings"]["quality_tasks"]
-    keep = {"variant", "weight_bytes", "peak_output_tok_s", *tasks}
-    cols = [c for c in report["columns"] if c["key"] in keep or c["key"].startswith("saturation_p")]
+    short = {"variant": "variant", "weight_bytes": "weights", "peak_output_tok_s": "peak tok/s"}
+    short |= {t: t for t in tasks}
+    cols = [
+        c for c in report["columns"] if c["key"] in short or c["key"].startswith("saturation_p")
+    ]
     for c in cols:
-        table.add_column(c["label"], justify="left" if c["format"] == "text" else "right")
+        label = short.get(c["key"]) or c["key"].replace("saturation_p", "sat. p")
+        table.add_column(label, justify="left" if c["format"] == "text" else "right")
     for v in report["variants"]:
         table.add_row(*(fmt(v["row"].get(c["key"]), c["format"]) for c in cols))
     return table
