@@ -4,9 +4,11 @@ Model: at each point (concurrency c, prompt length p) c clients each send stream
 back to back (random token-id prompts of p tokens, exactly `max_tokens` outputs, eos ignored)
 until `requests` have finished. Per request: TTFT, time per output token after the first, and
 end-to-end latency; per point: request and token throughput, p50/p95/p99, and the peaks of KV
-usage, waiting requests and preemptions read from `/metrics` while the point runs. The saturation
-point is the first concurrency at which requests queue while the KV cache is at least 90% full;
-it is compared with the estimate `KV tokens / (p + max_tokens)` from the server's KV budget.
+usage and waiting requests sampled from `/metrics` while the point runs, and the increase of its
+counters. The saturation point is the first concurrency at which requests queue while the KV
+cache is at least 90% full, read exactly from `workbench:kv_cache_full_queued_steps` (engine
+steps that ended that way); it is compared with the estimate `KV tokens / (p + max_tokens)` from
+the server's KV budget.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class Point:
     peak_kv_usage: float
     peak_waiting: float
     preemptions: float
+    kv_full_queued_steps: float
+    """Engine steps of this point that ended with requests waiting while KV was >= 90% full."""
     failed: int = 0
     saturated: bool = field(default=False)
 
@@ -93,13 +97,18 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
     return RequestTiming(first - start, tpot, end - start, tokens)
 
 
+COUNTERS = ("workbench:num_preemptions_total", "workbench:kv_cache_full_queued_steps_total")
+
+
 class MetricsWatcher:
-    """Polls /metrics while a point runs and keeps the peaks."""
+    """Polls /metrics while a point runs: peaks of the gauges (sampled every 0.1 s, so a peak
+    shorter than that can be missed) and the counters' increase over the point (exact)."""
 
     def __init__(self, client: httpx.AsyncClient, url: str) -> None:
         self.client, self.url = client, url
         self.peak_kv = self.peak_waiting = 0.0
-        self.preemptions_start = self.preemptions_end = 0.0
+        self.start: dict[str, float] = {}
+        self.end: dict[str, float] = {}
 
     async def sample(self) -> dict[str, float]:
         m = read_metrics((await self.client.get(f"{self.url}/metrics")).text)
@@ -108,10 +117,16 @@ class MetricsWatcher:
         return m
 
     async def watch(self, stop: asyncio.Event) -> None:
-        self.preemptions_start = (await self.sample()).get("workbench:num_preemptions_total", 0.0)
+        m = await self.sample()
+        self.start = {c: m.get(c, 0.0) for c in COUNTERS}
         while not stop.is_set():
             await asyncio.sleep(0.1)
-            self.preemptions_end = (await self.sample()).get("workbench:num_preemptions_total", 0.0)
+            await self.sample()
+        m = await self.sample()  # after the last request: the counters are complete
+        self.end = {c: m.get(c, 0.0) for c in COUNTERS}
+
+    def increase(self, counter: str) -> float:
+        return self.end.get(counter, 0.0) - self.start.get(counter, 0.0)
 
 
 PROMPT_TOKEN_RANGE = (10, 500)
@@ -167,7 +182,8 @@ async def run_point(
         percentiles([t.e2e for t in timings]),
         watcher.peak_kv,
         watcher.peak_waiting,
-        watcher.preemptions_end - watcher.preemptions_start,
+        watcher.increase(COUNTERS[0]),
+        watcher.increase(COUNTERS[1]),
         failed,
     )
 
@@ -206,7 +222,7 @@ def sweep(
             for c in concurrency:
                 n = requests_per_point or max(requests_per_client * c, 8)
                 point = asyncio.run(run_point(url, str(info["model"]), c, p, max_tokens, n))
-                point.saturated = point.peak_waiting > 0 and point.peak_kv_usage >= 0.9
+                point.saturated = point.kv_full_queued_steps > 0
                 result["points"].append(asdict(point))
                 bar.set_postfix(c=c, p=p, tok_s=f"{point.output_throughput:.0f}")
                 bar.update()

@@ -34,6 +34,10 @@ _LATENCY_BUCKETS = (
 )
 
 
+KV_FULL = 0.9
+"""KV usage at or above which waiting requests count as queueing for the cache."""
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -89,6 +93,13 @@ class ServerMetrics:
         self.preemptions = Counter(
             "workbench:num_preemptions", "Requests preempted.", labels, registry=r
         )
+        self.kv_full_queued = Counter(
+            "workbench:kv_cache_full_queued_steps",
+            f"Engine steps that ended with requests waiting while the KV cache was at least "
+            f"{KV_FULL:.0%} full (the load benchmark's saturation signal).",
+            labels,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "workbench:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
         )
@@ -137,6 +148,8 @@ class ServerMetrics:
         self.prefix_queries.labels(m).inc(s.prefix_cache_queries - self._last.prefix_cache_queries)
         self.prefix_hits.labels(m).inc(s.prefix_cache_hits - self._last.prefix_cache_hits)
         self.preemptions.labels(m).inc(s.num_preemptions - self._last.num_preemptions)
+        if s.num_waiting > 0 and s.kv_usage >= KV_FULL:
+            self.kv_full_queued.labels(m).inc()
         self._last = s
 
     def observe_token(self, first: bool, seconds: float, num_tokens: int) -> None:

@@ -47,8 +47,9 @@ def test_bench_finds_kv_saturation(tiny_model_dir: Path, tmp_path: Path) -> None
     low, high = result["points"]
     assert (low["concurrency"], high["concurrency"]) == (2, 8)
     assert low["requests"] == high["requests"] == 24 and low["failed"] == high["failed"] == 0
-    assert not low["saturated"] and low["peak_waiting"] == 0
-    assert high["saturated"] and high["peak_kv_usage"] >= 0.9 and high["peak_waiting"] > 0
+    assert not low["saturated"] and low["peak_waiting"] == 0 and low["kv_full_queued_steps"] == 0
+    assert high["saturated"] and high["kv_full_queued_steps"] > 0
+    assert high["peak_kv_usage"] >= 0.9 and high["peak_waiting"] > 0
     assert high["ttft"]["p95"] >= high["ttft"]["p50"] > 0 and high["output_throughput"] > 0
     sat = result["saturation"]["16"]
     assert sat["measured_concurrency"] == 8 and abs(sat["estimated_concurrency"] - 256 / 80) < 1e-9
