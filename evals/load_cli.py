@@ -53,6 +53,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--requests-per-client", type=int, default=2, help="requests each client sends (default 2)"
     )
+    p.add_argument(
+        "--request-model",
+        help="the `model` requests name (default: the server's base model); e.g. an adapter "
+        "loaded with --lora NAME=PATH",
+    )
     p.add_argument("--out", default="reports/bench.json", help="JSON results file")
 
 
@@ -101,6 +106,7 @@ def run_bench(args: argparse.Namespace, serve_flags: list[str]) -> dict:
             args.prompt_len,
             args.max_tokens,
             args.requests,
+            model=args.request_model,
             requests_per_client=args.requests_per_client,
         )
     else:
@@ -111,6 +117,7 @@ def run_bench(args: argparse.Namespace, serve_flags: list[str]) -> dict:
                 args.prompt_len,
                 args.max_tokens,
                 args.requests,
+                model=args.request_model,
                 requests_per_client=args.requests_per_client,
             )
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from compress.artifact import artifact_from_manifest
 from workbench.pipeline import VariantResult
 from workbench.recipe import LoadEval, Recipe
 
-EVALS_VERSION = 2
+EVALS_VERSION = 3
 """Bump when what a measurement computes changes, so stale results are not reused."""
 MAX_DEFAULT_LENGTH = 2048
 
@@ -184,6 +184,20 @@ def _post(url: str, route: str, body: dict[str, Any]) -> None:
         raise RuntimeError(f"{route} {body}: HTTP {r.status_code}: {r.text[:300]}")
 
 
+def adapter_requests(url: str, adapter: str) -> float:
+    """Requests the server has run with `adapter`, from its `workbench:lora_requests` counter."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "workbench:lora_requests_total" and sample.labels["adapter"] == adapter
+    )
+
+
 def run_session(
     recipe: Recipe,
     session: ServerSession,
@@ -227,6 +241,8 @@ def run_session(
                     {"lora_name": m.name, "lora_path": str(m.path.resolve())},
                 )
             result = _sweep(url, load, m.name)
+            if is_adapter:  # proof that the hot-loaded adapter, not the base, ran the requests
+                result["adapter_requests"] = adapter_requests(url, m.name)
             store(paths[m.name], load_key(load, m), result)
             out[m.name] = (result, False)
             if is_adapter:

@@ -104,6 +104,8 @@ def test_load_points_and_kv_saturation(small_run: Run) -> None:
             first = next((c for c in CONCURRENCY if points[(c, p)]["saturated"]), None)
             assert sat["measured_concurrency"] == first
             assert v["row"][f"saturation_p{p}"] == first
+        if v["name"] == "shop-lora":  # hot-loaded on the base's server, ran every request
+            assert load["adapter_requests"] == sum(p["requests"] for p in load["points"])
         # 32 clients x 64 tokens need 4x the 512-token cache: the longer prompts must saturate
         assert load["saturation"]["48"]["measured_concurrency"] is not None
         assert v["row"]["p95_e2e_c16_p48"] == points[(16, 48)]["e2e"]["p95"]
