@@ -99,9 +99,10 @@ def run_bench(args: argparse.Namespace, serve_flags: list[str]) -> dict:
             "workbench bench: give a MODEL to serve or --url of a running server, not both"
         )
     out = Path(args.out)
-    if args.url:
-        result = sweep(
-            args.url,
+
+    def run(url: str) -> dict:
+        return sweep(
+            url,
             args.concurrency,
             args.prompt_len,
             args.max_tokens,
@@ -109,17 +110,12 @@ def run_bench(args: argparse.Namespace, serve_flags: list[str]) -> dict:
             model=args.request_model,
             requests_per_client=args.requests_per_client,
         )
+
+    if args.url:
+        result = run(args.url)
     else:
         with served(args.model, serve_flags, out.with_suffix(".server.log")) as url:
-            result = sweep(
-                url,
-                args.concurrency,
-                args.prompt_len,
-                args.max_tokens,
-                args.requests,
-                model=args.request_model,
-                requests_per_client=args.requests_per_client,
-            )
+            result = run(url)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     return result
