@@ -146,12 +146,18 @@ def _adapter_rank(path: Path) -> int:
     )
 
 
-def serve_flags(load: LoadEval, session: ServerSession) -> list[str]:
+def serve_flags(recipe: Recipe, session: ServerSession) -> list[str]:
+    """The server's flags: the recipe's KV budget, a running cap above the ramp, and a context
+    long enough for the ramp's requests and the server check's windows (lm-eval's + 2)."""
+    load = recipe.evals.load
+    assert load is not None
     flags = ["--max-num-seqs", str(load.max_num_seqs)]
     if load.kv_cache_memory:
         flags += ["--kv-cache-memory", load.kv_cache_memory]
     longest = max(load.prompt_len) + load.max_tokens
-    flags += ["--max-model-len", str(max(longest, 2048))]
+    if session.model_variant is not None and recipe.evals.quality:
+        longest = max(longest, eval_max_length(recipe, session.model_variant) + 2)
+    flags += ["--max-model-len", str(longest)]
     if session.adapters:
         rank = max(_adapter_rank(a.path) for a in session.adapters)
         flags += ["--max-loras", "1", "--max-lora-rank", str(rank)]
@@ -227,7 +233,7 @@ def run_session(
         name, log_name = session.model_variant.name, session.model_variant.name
     else:  # a base that is no variant of the recipe, serving only adapters
         name, log_name = "adapter-base", f"{session.adapters[0].name}-base"
-    flags = ["--served-model-name", name, *serve_flags(load, session)]
+    flags = ["--served-model-name", name, *serve_flags(recipe, session)]
     log = work_dir / "evals" / f"server-{log_name}.log"
     with served(str(session.model_path), flags, log) as url:
         if check is not None:
