@@ -83,11 +83,9 @@ def evaluate_model(
     """lm-eval's full results dict for `model` (a transformers or PEFT model) on `tasks`."""
     from lm_eval.models.huggingface import HFLM
 
-    with offline_hub():
-        lm = HFLM(
-            pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length
-        )
-        return run_tasks(lm, None, tasks, limit, log_samples)
+    # the model and tokenizer are objects already: only the tasks need the hub switched off
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    return run_tasks(lm, None, tasks, limit, log_samples)
 
 
 def run_tasks(

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from reports import figures
-from reports.rows import add_recovery, columns, headline, lower_is_better, pareto_front, variant_row
+from reports.rows import (
+    add_recovery,
+    columns,
+    lower_is_better,
+    pareto_front,
+    task_metric,
+    variant_row,
+)
 
 SCHEMA = 1
 
@@ -24,17 +31,12 @@ SCHEMA = 1
 def quality_axis(report: dict[str, Any]) -> tuple[str | None, bool]:
     """The table key the quality plot and Pareto front use: the first perplexity task, else
     the first task."""
-    tasks = report["settings"]["quality_tasks"]
-    for v in report["variants"]:
-        for task in tasks:
-            metric = headline(v.get("quality", {}).get("tasks", {}).get(task, {}))
-            if metric and lower_is_better(metric[0]):
-                return task, True
-    for v in report["variants"]:
-        for task in tasks:
-            if headline(v.get("quality", {}).get("tasks", {}).get(task, {})):
-                return task, False
-    return None, True
+    quality = {v["name"]: v["quality"] for v in report["variants"]}
+    measured = {t: m for t in report["settings"]["quality_tasks"] if (m := task_metric(quality, t))}
+    for task, metric in measured.items():
+        if lower_is_better(metric):
+            return task, True
+    return (next(iter(measured)), False) if measured else (None, True)
 
 
 def machine() -> dict[str, Any]:

@@ -23,6 +23,15 @@ def headline(metrics: dict[str, float]) -> tuple[str, float] | None:
     return None
 
 
+def task_metric(quality: dict[str, Any], task: str) -> str | None:
+    """The headline metric of `task` in the variants' lm-eval results ({variant: results})."""
+    for results in quality.values():
+        top = headline((results or {}).get("tasks", {}).get(task, {}))
+        if top:
+            return top[0]
+    return None
+
+
 def lower_is_better(metric: str) -> bool:
     return "perplexity" in metric
 
@@ -97,12 +106,12 @@ def add_recovery(rows: list[dict[str, Any]], tasks: list[str], quality: dict[str
         return
     base = next((r for r in rows if r["variant"] == "base"), rows[0])
     for task in tasks:
-        metric = headline(next(iter(quality.values()), {}).get("tasks", {}).get(task, {}))
+        metric = task_metric(quality, task)
         for r in rows:
             value, ref = r.get(task), base.get(task)
             if value is None or not ref or metric is None:
                 r[f"recovery_{task}"] = None
-            elif lower_is_better(metric[0]):
+            elif lower_is_better(metric):
                 bpb, ref_bpb = r.get(f"{task}_bits_per_byte"), base.get(f"{task}_bits_per_byte")
                 r[f"recovery_{task}"] = 100.0 * ref_bpb / bpb if bpb and ref_bpb else None
             else:
@@ -140,12 +149,11 @@ def columns(tasks: list[str], quality: dict[str, Any], load_settings: dict | Non
         {"key": "weight_bytes", "label": "weight memory", "format": "bytes", "better": "lower"},
         {"key": "kv_bytes_per_token", "label": "KV B/token", "format": "int", "better": "lower"},
     ]
-    some = next(iter(quality.values()), {}).get("tasks", {})
     for task in tasks:
-        metric = headline(some.get(task, {}))
+        metric = task_metric(quality, task)
         if metric is None:
             continue
-        lower = lower_is_better(metric[0])
+        lower = lower_is_better(metric)
         label = f"{task} ({'word ppl' if lower else 'acc'})"
         cols.append(
             {
