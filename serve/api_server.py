@@ -2,11 +2,14 @@
 
 Contract: a client error is always a 4xx with an OpenAI error object naming the field and the
 limit, and the server keeps serving; 503 with Retry-After when the waiting queue is full; with an
-API key, every route but /health needs `Authorization: Bearer KEY`.
+API key, every route but /health needs `Authorization: Bearer KEY`. A request whose engine step
+failed gets a 500 (or an error event in its stream) and the others carry on; /health answers 503
+while the engine is not serving. Prompts are tokenized off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
@@ -18,13 +21,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.async_engine import AsyncEngine, EngineDeadError, UnknownAdapter
+from serve.async_engine import AsyncEngine, EngineDeadError, RequestFailed, UnknownAdapter
 from serve.engine import InvalidRequest
+from serve.http_middleware import ApiKey, BodyLimit
 from serve.lora.adapter import AdapterError
+from serve.lora.manager import AdapterLimit
 from serve.openai_responses import chat_choice, completion_choice
 from serve.openai_serving import (
+    ClientGone,
     RequestError,
     add_all,
     chat_id,
@@ -33,6 +38,7 @@ from serve.openai_serving import (
     completion_id,
     completion_job,
     now,
+    sse,
     usage,
 )
 from serve.openai_streams import chat_events, completion_events
@@ -56,7 +62,10 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20
     """Larger request bodies get 413."""
     lora_root: Path | None = None
-    """When set, adapters load only from inside this directory (symlinks resolved)."""
+    """When set, adapters load only from inside this directory (every file's symlinks resolved)."""
+    allow_any_lora_path: bool = False
+    """Without `lora_root`, loading adapters over HTTP is refused unless this is set: any path
+    the server process can read could then be loaded."""
 
 
 def _error(
@@ -90,51 +99,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str]:
     return field, f"{field}: {first['msg']} (got {first.get('input')!r})"
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for a body over the limit, declared or streamed (chunked). The body is
-    read here, up to the limit, and replayed to the app."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._too_large(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, _replay([message]), send)
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                return await self._too_large(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        await self.app(scope, _replay([body], receive), send)
-
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = _error(413, f"the request body is over the limit of {self.limit} bytes", "body")
-        await response(scope, receive, send)
-
-
-def _replay(messages: list[Message], then: Receive | None = None) -> Receive:
-    """A receive() that returns `messages` first, then defers to `then` (disconnect events)."""
-
-    async def receive() -> Message:
-        if messages:
-            return messages.pop(0)
-        if then is None:
-            return {"type": "http.disconnect"}
-        return await then()
-
-    return receive
-
-
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -144,19 +108,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="workbench server", lifespan=lifespan)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(ApiKey, key=settings.api_key)  # outermost: no body is read without the key
     tok = engine.engine.tokenizer
-    max_len = engine.engine.scheduler_config.max_model_len
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Any) -> Response:
-        needs_key = settings.api_key and request.url.path != "/health"
-        if needs_key and request.headers.get("authorization") != f"Bearer {settings.api_key}":
-            return _error(
-                401,
-                "missing or wrong API key: send Authorization: Bearer <key>",
-                code="invalid_api_key",
-            )
-        return await call_next(request)
+    max_len = engine.engine.max_model_len
+    limit = engine.engine.context_limit
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -177,6 +132,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(500, str(exc))
+
+    @app.exception_handler(ClientGone)
+    async def gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(RequestFailed)
+    async def failed(_: Request, exc: RequestFailed) -> JSONResponse:
         return _error(500, str(exc))
 
     def admit(model: str, num_requests: int) -> str | None:
@@ -200,8 +163,13 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         )
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok" if engine.dead is None else "engine failed"}
+    async def health() -> JSONResponse:
+        if engine.dead is not None:
+            return JSONResponse({"status": f"engine failed: {engine.dead!r}"}, 503)
+        if not engine.healthy:
+            status = f"the last {engine.failed_steps_in_a_row} engine steps failed"
+            return JSONResponse({"status": status}, 503)
+        return JSONResponse({"status": "ok"})
 
     @app.exception_handler(UnknownAdapter)
     async def unknown_adapter(_: Request, exc: UnknownAdapter) -> JSONResponse:
@@ -212,6 +180,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def bad_adapter(_: Request, exc: AdapterError) -> JSONResponse:
         return _error(400, str(exc), "lora_path")
 
+    @app.exception_handler(AdapterLimit)
+    async def adapter_limit(_: Request, exc: AdapterLimit) -> JSONResponse:
+        return _error(409, str(exc), "lora_name", "adapter_limit")
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora(body: LoadLoraRequest) -> dict[str, Any]:
         if body.lora_name == settings.model_name:
@@ -220,9 +192,24 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 f"lora_name {body.lora_name!r} is the base model's name; pick another",
                 "lora_name",
             )
+        if settings.lora_root is None and not settings.allow_any_lora_path:
+            raise RequestError(
+                403,
+                "loading adapters over HTTP is off: restart the server with --lora-root DIR "
+                "(adapters load only from inside DIR) or --allow-any-lora-path",
+                "lora_path",
+                "lora_loading_disabled",
+            )
         path = _adapter_path(body.lora_path, settings.lora_root)
-        version = await engine.load_lora(body.lora_name, path)
-        return {"status": "loaded", "lora_name": body.lora_name, "version": version}
+        version, evicted = await engine.load_lora(
+            body.lora_name, path, settings.lora_root, body.evict
+        )
+        return {
+            "status": "loaded",
+            "lora_name": body.lora_name,
+            "version": version,
+            "evicted": evicted,
+        }
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(body: UnloadLoraRequest) -> dict[str, Any]:
@@ -260,7 +247,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        job = completion_job(body, tok, max_len)
+        job = await asyncio.to_thread(completion_job, body, tok, max_len)
         job = dataclasses.replace(job, adapter=admit(body.model, len(job.params)))
         rid = completion_id()
         tracked = await add_all(engine, rid, job)
@@ -282,7 +269,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        job = chat_job(body, tok, max_len)
+        job = await asyncio.to_thread(chat_job, body, tok, max_len, limit)
         job = dataclasses.replace(job, adapter=admit(body.model, len(job.params)))
         rid = chat_id()
         tracked = await add_all(engine, rid, job)
@@ -302,9 +289,19 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The events, and an error event then [DONE] if the engine fails the request mid-stream."""
+    try:
+        async for event in events:
+            yield event
+    except (RequestFailed, EngineDeadError) as e:
+        yield sse(error_body(str(e), "server_error"))
+        yield sse("[DONE]")
+
+
 def _stream(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(
-        events,
+        _guarded(events),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -323,10 +320,13 @@ def _model_not_found(model: str, base: str) -> RequestError:
 def _adapter_path(raw: str, root: Path | None) -> Path:
     """The adapter dir (relative paths from the server's working dir), refused when it is
     outside `root` once `..` and symlinks are resolved."""
-    path = Path(raw).expanduser()
+    try:
+        path = Path(raw).expanduser()
+        resolved = path.resolve()
+    except (OSError, RuntimeError, ValueError) as e:
+        raise RequestError(400, f"lora_path is not a usable path ({e})", "lora_path") from None
     if root is None:
         return path
-    resolved = path.resolve()
     if not resolved.is_relative_to(root.resolve()):
         raise RequestError(
             400,

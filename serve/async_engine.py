@@ -5,6 +5,11 @@ Model: one thread owns the `LLMEngine` and loops: run the commands queued since 
 touch the engine: they queue a command and await its future. Each request's outputs are pushed
 to its own `asyncio.Queue` on the event loop. So adds and aborts take effect between steps, and
 a client that goes away has its request aborted (and its blocks freed) before the next step.
+
+A failed step (`StepFailed`) fails only the requests it scheduled; the loop goes on. After
+`UNHEALTHY_AFTER` failed steps in a row the engine reports itself unhealthy (until a step
+succeeds again). Only a failure outside the step's computation (the scheduler's own state) stops
+the loop for good (`dead`).
 """
 
 from __future__ import annotations
@@ -20,13 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from serve.engine import InvalidRequest, LLMEngine, RequestOutput
+from serve.engine import InvalidRequest, LLMEngine, RequestOutput, StepFailed
 from serve.metrics import ServerMetrics
 from serve.sampling_params import SamplingParams
 from serve.stats import EngineStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+UNHEALTHY_AFTER = 3
+"""Failed steps in a row after which /health reports the engine as not serving."""
 
 
 class UnknownAdapter(LookupError):
@@ -35,6 +42,10 @@ class UnknownAdapter(LookupError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; the server answers 500 and must be restarted."""
+
+
+class RequestFailed(RuntimeError):
+    """The step computing this request failed; the request is ended, the engine serves on."""
 
 
 @dataclass
@@ -64,6 +75,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.stats: EngineStats = engine.stats()
         self.dead: BaseException | None = None
+        self.failed_steps_in_a_row = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead is None and self.failed_steps_in_a_row < UNHEALTHY_AFTER
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -114,32 +130,58 @@ class AsyncEngine:
             raise
         return tracked
 
-    async def load_lora(self, name: str, path: Path) -> int:
-        """Read the adapter off the engine thread, then register it between two steps."""
+    async def load_lora(
+        self, name: str, path: Path, root: Path | None = None, evict: bool = False
+    ) -> tuple[int, list[str]]:
+        """Read (and check) the adapter off the engine thread, then register it between two
+        steps; returns its version and the names evicted to make room."""
         manager = self.engine.adapters
         if manager is None:
             raise InvalidRequest(
                 "LoRA serving is off; start the server with --max-loras N (or --lora)"
             )
         started = time.perf_counter()
-        adapter = await asyncio.to_thread(manager.read, path)
-        version = await self._call(lambda: self.engine.register_lora(name, adapter))
+        adapter = await asyncio.to_thread(manager.read, path, root)
+
+        def register() -> tuple[int, list[str]]:
+            before = set(manager.current)
+            version = self.engine.register_lora(name, adapter, evict)
+            return version, sorted(before - set(manager.current))
+
+        version, evicted = await self._call(register)
+        for gone in evicted:
+            self.metrics.forget_adapter(gone)
         self.metrics.observe_lora_load(time.perf_counter() - started, len(manager.current))
-        return version
+        return version, evicted
 
     async def unload_lora(self, name: str) -> int:
+        """Unload `name`; `UnknownAdapter` when it is not loaded (decided on the engine thread,
+        so of two racing unloads exactly one succeeds and the other gets 404)."""
         manager = self.engine.adapters
-        if manager is None or name not in manager.current:
+        if manager is None:
             raise UnknownAdapter(name)
-        version = await self._call(lambda: self.engine.unload_lora(name))
+
+        def unload() -> int:
+            if name not in manager.current:
+                raise UnknownAdapter(name)
+            return self.engine.unload_lora(name)
+
+        version = await self._call(unload)
         self.metrics.observe_lora_load(None, len(manager.current))
+        self.metrics.forget_adapter(name)
         return version
 
     def adapter_names(self) -> list[str]:
         return list(self.engine.adapters.current) if self.engine.adapters else []
 
     async def abort(self, request_id: str) -> None:
-        if self._tracked.pop(request_id, None) is not None and self.dead is None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        tracked.finished = True
+        elapsed = time.perf_counter() - tracked.arrival
+        self.metrics.observe_finish("abort", tracked.num_prompt_tokens, elapsed)
+        if self.dead is None:
             await self._call(lambda: self.engine.abort(request_id))
 
     async def stream(self, tracked: Tracked) -> AsyncIterator[RequestOutput]:
@@ -170,34 +212,63 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain_inbox()
+            if self._drain_inbox():  # aborts change the gauges even when no step follows
+                self._refresh_stats(step=False)
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # the model itself failed: fail every request, stay up
-                log.exception("engine step failed")
+            except StepFailed as e:
+                log.error("engine step failed; ending its requests %s", e.request_ids, exc_info=e)
+                self.failed_steps_in_a_row += 1
+                self._fail_requests(e.request_ids, e.cause)
+                self._refresh_stats(step=True)
+                continue
+            except Exception as e:  # the scheduler's state is not to be trusted: stop
+                log.exception("engine loop failed")
                 self.dead = e
                 self._fail_all(EngineDeadError(f"the engine failed: {e!r}"))
                 return
-            self.stats = self.engine.stats()
-            self.metrics.observe_stats(self.stats)
+            self.failed_steps_in_a_row = 0
+            self._refresh_stats(step=True)
             now = time.perf_counter()
             for out in outputs:
                 self._deliver(out, now)
 
-    def _drain_inbox(self) -> None:
+    def _refresh_stats(self, step: bool) -> None:
+        self.stats = self.engine.stats()
+        self.metrics.observe_stats(self.stats, step)
+
+    def _drain_inbox(self) -> int:
+        """Run the queued commands; returns how many ran."""
+        ran = 0
         while True:
             try:
                 fn, future = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return ran
+            ran += 1
             try:
                 future.set_result(fn())
             except Exception as e:
                 future.set_exception(e)
+
+    def _fail_requests(self, request_ids: list[str], cause: BaseException) -> None:
+        assert self._loop is not None
+        error = RequestFailed(
+            f"the engine failed while computing this request ({type(cause).__name__}: {cause}); "
+            "it was ended, other requests are unaffected"
+        )
+        for request_id in request_ids:
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is not None:
+                tracked.finished = True
+                self.metrics.observe_finish(
+                    "error", tracked.num_prompt_tokens, time.perf_counter() - tracked.arrival
+                )
+                self._loop.call_soon_threadsafe(tracked.queue.put_nowait, error)
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
         tracked = self._tracked.get(out.request_id)

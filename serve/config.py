@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -11,14 +11,15 @@ class SchedulerConfig:
     """Most requests running at once."""
     max_num_batched_tokens: int = 1024
     """Token budget of one step; longer prompts are prefilled in chunks."""
-    max_model_len: int = 2048
-    """Most tokens (prompt + output) of one request."""
+    max_model_len: int | None = None
+    """Most tokens (prompt + output) of one request; None: the model's own position limit
+    (`max_position_embeddings` or the equivalent; 2048 when its config states none)."""
     enable_prefix_caching: bool = True
     """Share the KV blocks of common prompt prefixes between requests."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
@@ -54,3 +55,20 @@ class ModelConfig:
     """cpu, cuda or cuda:N; auto: cuda when available."""
     attention_backend: str = "auto"
     """`sdpa` (gathered blocks, any device) or `reference` (plain per-sequence loop)."""
+
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def with_model_limit(config: SchedulerConfig, position_limit: int | None) -> SchedulerConfig:
+    """`config` with `max_model_len` resolved against the model's position limit; a larger
+    explicit value is refused (positions past the limit index past the model's tables)."""
+    wanted = config.max_model_len
+    if wanted is None:
+        return replace(config, max_model_len=position_limit or DEFAULT_MAX_MODEL_LEN)
+    if position_limit is not None and wanted > position_limit:
+        raise ValueError(
+            f"max_model_len {wanted} is larger than the model's position limit "
+            f"({position_limit} positions); use --max-model-len {position_limit} or less"
+        )
+    return config

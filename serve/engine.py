@@ -5,6 +5,10 @@ compute, the runner computes it, the sampler picks the next token of every reque
 reached its end, and the scheduler applies the tokens (stop on eos, stop ids, max_tokens,
 max_model_len). Stop strings are checked here, on the detokenized output. `step` returns one
 `RequestOutput` per request that produced a token or finished.
+
+NOTE: a step that fails between scheduling and sampling (the model, an adapter, the sampler)
+ends only the requests it scheduled: they are aborted, their blocks freed, and `StepFailed`
+names them; every other request is untouched and the next step runs as usual.
 """
 
 from __future__ import annotations
@@ -18,11 +22,17 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.config import CacheConfig, ModelConfig, SchedulerConfig, with_model_limit
 from serve.kv_cache_manager import cdiv
 from serve.lora.adapter import Adapter
 from serve.lora.manager import AdapterManager, LoraConfig
-from serve.model_runner import ModelRunner, load_model, resolve_device, resolve_dtype
+from serve.model_runner import (
+    ModelRunner,
+    load_model,
+    position_limit,
+    resolve_device,
+    resolve_dtype,
+)
 from serve.request import FinishReason, Request
 from serve.sampler import SampleInput, Sampler, token_logprobs
 from serve.sampling_params import SamplingParams
@@ -60,6 +70,14 @@ class InvalidRequest(ValueError):
     """A request the engine refuses at `add_request`; the message names the limit."""
 
 
+class StepFailed(RuntimeError):
+    """One step failed; the requests it had scheduled are aborted (blocks freed), no others."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"a step of {len(request_ids)} request(s) failed: {cause!r}")
+        self.request_ids, self.cause = request_ids, cause
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -74,10 +92,12 @@ class LLMEngine:
         dtype = resolve_dtype(model.dtype, device)
         self.model_config = model
         self.cache_config = cache = cache or CacheConfig()
-        self.scheduler_config = scheduler = scheduler or SchedulerConfig()
         hf_model, self.tokenizer = loaded or (
             load_model(model, device, dtype),
             AutoTokenizer.from_pretrained(model.model),
+        )
+        self.scheduler_config = scheduler = with_model_limit(
+            scheduler or SchedulerConfig(), position_limit(hf_model)
         )
         backend = "sdpa" if model.attention_backend == "auto" else model.attention_backend
         self.runner = ModelRunner(hf_model, cache, device, backend)
@@ -93,6 +113,16 @@ class LLMEngine:
         self.timings: dict[str, float] = defaultdict(float)
         self.num_steps = 0
         self.last_step_tokens = 0
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.scheduler_config.max_model_len is not None  # resolved in __init__
+        return self.scheduler_config.max_model_len
+
+    @property
+    def context_limit(self) -> int:
+        """Most tokens one request can hold: max_model_len, or less when the KV cache is smaller."""
+        return min(self.max_model_len, self.runner.num_blocks * self.cache_config.block_size)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
@@ -121,7 +151,7 @@ class LLMEngine:
     def _validate(
         self, request_id: str, token_ids: list[int], params: SamplingParams, adapter_id: int | None
     ) -> None:
-        limit = self.scheduler_config.max_model_len
+        limit = self.max_model_len
         capacity = self.runner.num_blocks * self.cache_config.block_size
         if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -159,15 +189,10 @@ class LLMEngine:
         clock = _Clock(self.timings)
         out = self.scheduler.schedule()
         clock.lap("schedule")
-        inputs = self.runner.prepare(out)
-        if self.adapters is not None:
-            self.adapters.prepare_step(self._adapter_rows(out), out.num_tokens)
-        clock.lap("prepare")
-        logits = self.runner.forward(inputs)
-        clock.lap("model")
-        tokens = self._sample(inputs, logits)
-        self._record_prompt_logprobs(out, inputs, logits)
-        clock.lap("sample")
+        try:
+            tokens = self._compute(out, clock)
+        except Exception as e:
+            raise self._fail(out, e) from e
         requests = {c.request_id: self.scheduler.requests[c.request_id] for c in out.chunks}
         finished = self.scheduler.update(out, tokens)
         outputs = self._outputs(requests, tokens, finished)
@@ -177,6 +202,28 @@ class LLMEngine:
         self.num_steps += 1
         self.last_step_tokens = out.num_tokens
         return outputs
+
+    def _compute(self, out: SchedulerOutput, clock: _Clock) -> dict[str, int]:
+        """Run the model over the scheduled chunks and sample: {request id: next token}."""
+        inputs = self.runner.prepare(out)
+        if self.adapters is not None:
+            self.adapters.prepare_step(self._adapter_rows(out), out.num_tokens)
+        clock.lap("prepare")
+        logits = self.runner.forward(inputs)
+        clock.lap("model")
+        tokens = self._sample(inputs, logits)
+        self._record_prompt_logprobs(out, inputs, logits)
+        clock.lap("sample")
+        return tokens
+
+    def _fail(self, out: SchedulerOutput, cause: Exception) -> StepFailed:
+        """Abort the step's requests (freeing their blocks); device slots are rewritten later."""
+        ids = [c.request_id for c in out.chunks]
+        for request_id in ids:
+            self.abort(request_id)
+        if self.adapters is not None:
+            self.adapters.forget_slots()
+        return StepFailed(ids, cause)
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> dict[str, int]:
         """Sample for every request whose chunk reached its end and that wants a token."""
@@ -234,11 +281,11 @@ class LLMEngine:
             )
         return self.adapters.load(name, Path(path), self.adapters_in_use())
 
-    def register_lora(self, name: str, adapter: Adapter) -> int:
+    def register_lora(self, name: str, adapter: Adapter, evict: bool = False) -> int:
         """Register an adapter read beforehand (`adapters.read`): the cheap, between-steps half."""
         if self.adapters is None:
             raise InvalidRequest("this engine was started without LoRA support")
-        return self.adapters.register(name, adapter, self.adapters_in_use())
+        return self.adapters.register(name, adapter, self.adapters_in_use(), evict)
 
     def unload_lora(self, name: str) -> int:
         if self.adapters is None:

@@ -49,7 +49,7 @@ class LLM:
         num_blocks: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 1024,
-        max_model_len: int = 2048,
+        max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
     ) -> None:
         self.engine = LLMEngine(

@@ -7,6 +7,8 @@ engine's stats snapshot after every step.
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from serve.stats import EngineStats
@@ -138,7 +140,9 @@ class ServerMetrics:
         labels = (self.model_name, str(block_size), str(num_blocks), str(bytes_per_token))
         self.cache_info.labels(*labels).set(1)
 
-    def observe_stats(self, s: EngineStats) -> None:
+    def observe_stats(self, s: EngineStats, step: bool = True) -> None:
+        """Refresh the gauges; `step`: `s` is the state after an engine step (not after aborts
+        between steps), which the KV-full counter counts."""
         m = self.model_name
         self.running.labels(m).set(s.num_running)
         self.waiting.labels(m).set(s.num_waiting)
@@ -148,7 +152,7 @@ class ServerMetrics:
         self.prefix_queries.labels(m).inc(s.prefix_cache_queries - self._last.prefix_cache_queries)
         self.prefix_hits.labels(m).inc(s.prefix_cache_hits - self._last.prefix_cache_hits)
         self.preemptions.labels(m).inc(s.num_preemptions - self._last.num_preemptions)
-        if s.num_waiting > 0 and s.kv_usage >= KV_FULL:
+        if step and s.num_waiting > 0 and s.kv_usage >= KV_FULL:
             self.kv_full_queued.labels(m).inc()
         self._last = s
 
@@ -168,6 +172,12 @@ class ServerMetrics:
 
     def observe_lora_request(self, adapter: str) -> None:
         self.lora_requests.labels(self.model_name, adapter).inc()
+
+    def forget_adapter(self, adapter: str) -> None:
+        """Drop an unloaded adapter's series, so the label set stays bounded by the adapters
+        loaded (at most --max-cpu-loras)."""
+        with contextlib.suppress(KeyError):
+            self.lora_requests.remove(self.model_name, adapter)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,7 +27,39 @@ CPU_DEFAULT_KV_BYTES = 256 << 20
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device {name!r} is not a device name; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for, but CUDA is not available here; use cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not supported; use cpu, cuda or cuda:N")
+    return device
+
+
+def position_limit(model: PreTrainedModel) -> int | None:
+    """The most positions the model can encode, as its config states it (None: unstated)."""
+    config = model.config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on `device` (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -105,9 +137,19 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cache.kv_cache_memory_fraction)
         budget = budget or CPU_DEFAULT_KV_BYTES
+        available = available_memory(self.device)
+        if available is not None and budget > available:
+            raise ValueError(
+                f"a KV cache of {budget / 2**20:.1f} MiB does not fit in the "
+                f"{available / 2**20:.1f} MiB still free on {self.device}; "
+                "give a smaller --kv-cache-memory"
+            )
         num = budget // (self.layout.bytes_per_token() * cache.block_size)
         if num < 1:
-            raise ValueError(f"a KV budget of {budget} bytes holds no block of {cache.block_size}")
+            raise ValueError(
+                f"a KV budget of {budget} bytes holds no block of {cache.block_size} tokens "
+                f"({self.layout.bytes_per_token() * cache.block_size} bytes); give more KV memory"
+            )
         return num
 
     @property

@@ -23,6 +23,11 @@ from serve.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from serve.sampling_params import SamplingParams
 
 
+class ClientGone(Exception):
+    """The client disconnected before its (non-streaming) answer was ready; its requests are
+    aborted and nobody is left to read a response."""
+
+
 class RequestError(Exception):
     """A client error detected after parsing: answered with `status` and an OpenAI error body."""
 
@@ -59,10 +64,38 @@ def check_lengths(prompts: list[list[int]], max_tokens: int, max_model_len: int)
             )
 
 
+CHARS_PER_TOKEN_BOUND = 16
+"""A prompt longer than max_model_len x this many characters is first tokenized in part."""
+
+
+def encode(
+    tok: PreTrainedTokenizerBase, text: str, max_model_len: int, add_special_tokens: bool = True
+) -> list[int]:
+    """Token ids of `text`, with work bounded by `max_model_len`: a text whose first
+    `max_model_len * CHARS_PER_TOKEN_BOUND` characters already make more than `max_model_len`
+    tokens (plus a margin for merges across the cut) is refused without tokenizing the rest."""
+    cut = max_model_len * CHARS_PER_TOKEN_BOUND
+    if len(text) > cut:
+        head = tok(text[:cut], add_special_tokens=add_special_tokens).input_ids
+        if len(head) > max_model_len + 64:
+            raise RequestError(
+                400,
+                f"this model's maximum context length is {max_model_len} tokens; the prompt's "
+                f"first {cut} of {len(text)} characters are already {len(head)} tokens: "
+                "shorten the prompt",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+    return tok(text, add_special_tokens=add_special_tokens).input_ids
+
+
 def completion_job(
     body: CompletionRequest, tok: PreTrainedTokenizerBase, max_model_len: int
 ) -> Job:
-    prompts = [tok(p).input_ids if isinstance(p, str) else list(p) for p in body.prompts()]
+    """Blocking (tokenizes): call it off the event loop."""
+    prompts = [
+        encode(tok, p, max_model_len) if isinstance(p, str) else list(p) for p in body.prompts()
+    ]
     if any(not p for p in prompts):
         raise RequestError(400, "a prompt tokenizes to no tokens; send text or token ids", "prompt")
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
@@ -76,16 +109,31 @@ def completion_job(
     return Job(prompts, params, body.n, body.echo)
 
 
-def chat_job(body: ChatCompletionRequest, tok: PreTrainedTokenizerBase, max_model_len: int) -> Job:
+def chat_job(
+    body: ChatCompletionRequest,
+    tok: PreTrainedTokenizerBase,
+    max_model_len: int,
+    context_limit: int,
+) -> Job:
+    """Blocking (tokenizes): call it off the event loop. Without max_tokens, a choice may run to
+    `context_limit` (max_model_len, or the KV cache's size when that is smaller)."""
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from e
-    prompt = tok(text, add_special_tokens=False).input_ids  # the template places bos itself
+    prompt = encode(tok, text, max_model_len, add_special_tokens=False)  # bos: the template's
     requested = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
-    max_tokens = max_model_len - len(prompt) if requested is None else requested
-    check_lengths([prompt], max(max_tokens, 0), max_model_len)
+    max_tokens = context_limit - len(prompt) if requested is None else requested
+    if max_tokens < 1 and requested is None:
+        raise RequestError(
+            400,
+            f"the conversation is {len(prompt)} tokens, which leaves no room for an answer in "
+            f"this server's context of {context_limit} tokens: shorten the messages",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    check_lengths([prompt], max_tokens, max_model_len)
     top = body.top_logprobs or 0 if body.logprobs else None
     return Job([prompt], [body.sampling_params(max_tokens, i, top) for i in range(body.n)], body.n)
 
@@ -123,9 +171,10 @@ async def collect(
         await asyncio.wait({gathered}, timeout=0.25)
         if not gathered.done() and await disconnected():
             gathered.cancel()
+            gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
             for t in tracked:
                 await engine.abort(t.request_id)
-            raise asyncio.CancelledError("client disconnected")
+            raise ClientGone()
     return gathered.result()
 
 
@@ -206,6 +255,7 @@ def chat_id() -> str:
 
 
 __all__ = [
+    "ClientGone",
     "Job",
     "RequestError",
     "add_all",

@@ -1,7 +1,10 @@
 """OpenAI-compatible request and response bodies (pydantic), as the official client sends them.
 
 Unknown fields are refused (`extra="forbid"`), so a typo never silently changes a request.
-Fields OpenAI defines but this server does not implement are accepted only at their neutral value.
+Types are strict, as OpenAI's API is: `true` is not a token id, `"yes"` is not a boolean, `"0.5"`
+is not a number (an integer is a number). Every string must be valid Unicode (no lone surrogates:
+JSON can carry `"\ud800"`, a tokenizer cannot). Fields OpenAI defines but this server does not
+implement are accepted only at their neutral value.
 """
 
 from __future__ import annotations
@@ -12,13 +15,39 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 MAX_N = 16
+MAX_PATH_CHARS = 4096
+
+
+def _check_text(value: Any, where: str = "") -> None:
+    """Raise ValueError for a string anywhere in `value` that UTF-8 cannot encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{where or 'a string'} holds {value[e.start : e.end]!r} at character {e.start}, "
+                "which is not valid Unicode (a lone surrogate); send valid UTF-8 text"
+            ) from None
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_text(item, where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, where)
+            _check_text(item, where)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _check_text(value)
+        return value
 
 
 class StreamOptions(_Strict):
@@ -32,7 +61,8 @@ class _SamplingFields(_Strict):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=1)] | None = None
     """An extension (as in vLLM): keep the k most likely tokens."""
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    """Choice i of n samples with seed + i (mod 2**64)."""
     stop: str | list[str] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
@@ -66,7 +96,7 @@ class _SamplingFields(_Strict):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=None if self.seed is None else self.seed + index,
+            seed=None if self.seed is None else (self.seed + index) % 2**64,
             stop=tuple(self.stop or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
@@ -103,8 +133,31 @@ class CompletionRequest(_SamplingFields):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str | list[dict[str, Any]]
+    """Text, or a list of content parts of which only `{"type": "text", "text": ...}` is taken
+    (joined with newlines, as vLLM does); other part types are refused."""
     name: str | None = None
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _text_parts(cls, value: str | list[dict[str, Any]]) -> str:
+        if isinstance(value, str):
+            return value
+        texts = []
+        for i, part in enumerate(value):
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(
+                    f"content part {i} has type {kind!r}; this server takes text parts only: "
+                    '{"type": "text", "text": "..."}'
+                )
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise ValueError(
+                    f'content part {i} must be {{"type": "text", "text": "<string>"}}, got '
+                    f"keys {sorted(part)}"
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -118,12 +171,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         return self
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
 
 
 def new_id(prefix: str) -> str:
@@ -144,12 +191,25 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+LoraName = Annotated[
+    str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+]
+
+
 class LoadLoraRequest(_Strict):
-    lora_name: Annotated[
-        str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
-    ]
-    lora_path: Annotated[str, Field(min_length=1)]
+    lora_name: LoraName
+    lora_path: Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]
+    evict: bool = False
+    """An extension: when the server already holds --max-cpu-loras adapters, drop the least
+    recently used one to make room (without it such a load is refused with 409)."""
+
+    @field_validator("lora_path")
+    @classmethod
+    def _no_nul(cls, value: str) -> str:
+        if "\x00" in value:
+            raise ValueError("lora_path contains a NUL character; send a plain path")
+        return value
 
 
 class UnloadLoraRequest(_Strict):
-    lora_name: Annotated[str, Field(min_length=1)]
+    lora_name: Annotated[str, Field(min_length=1, max_length=128)]

@@ -55,7 +55,8 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+            # NOTE: manual_seed takes [-2**63, 2**64); negative seeds map onto the same space.
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed % 2**64)
 
     @property
     def num_tokens(self) -> int:

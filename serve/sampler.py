@@ -4,15 +4,23 @@ Model: greedy rows take the argmax (the fast path when every row is greedy). Oth
 divided by their temperature, cut to top-k then top-p, and drawn from with the request's own
 generator when it has a seed (so its samples do not depend on the batch around it) or with the
 engine's generator otherwise. Logprobs come from the unmodified logits, as in vLLM.
+
+NOTE: no logits row can make the sampler fail: top-p always keeps the most likely token, a row
+whose probabilities are not finite (a NaN from the model, an overflow) falls back to its argmax,
+and logprobs that are not finite are reported as `MIN_LOGPROB` (JSON has no -inf).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from serve.sampling_params import SamplingParams
+
+MIN_LOGPROB = -9999.0
+"""Reported instead of -inf or NaN (as vLLM does)."""
 
 
 @dataclass(frozen=True)
@@ -36,19 +44,24 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keeps the first token
+        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
+        drop[0] = False  # NOTE: a top_p below float32's resolution would otherwise drop all
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     return logits
 
 
 def token_logprobs(row: torch.Tensor, token_id: int, top_n: int) -> dict[int, float]:
     """{token: logprob} for `token_id` and the `top_n` most likely tokens of one logits row."""
-    logprobs = row.log_softmax(-1)
-    out = {token_id: float(logprobs[token_id])}
+    logprobs = row.float().log_softmax(-1)
+    out = {token_id: _finite(float(logprobs[token_id]))}
     if top_n:
-        values, ids = logprobs.topk(top_n)
-        out.update(zip(ids.tolist(), values.tolist()))
+        values, ids = logprobs.nan_to_num(nan=MIN_LOGPROB).topk(top_n)
+        out.update(zip(ids.tolist(), map(_finite, values.tolist())))
     return out
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
 
 
 class Sampler:
@@ -75,4 +88,6 @@ class Sampler:
         if item.params.greedy:
             return int(row.argmax())
         probs = _filter(row, item.params).softmax(-1)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            return int(row.nan_to_num(nan=float("-inf")).argmax())
         return int(torch.multinomial(probs, 1, generator=item.generator or self.generator))

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from serve.block_pool import BlockPool
-from serve.config import SchedulerConfig
+from serve.config import SchedulerConfig, with_model_limit
 from serve.kv_cache_manager import KVCacheManager
 from serve.request import FinishReason, Request, RequestStatus
 
@@ -57,7 +57,7 @@ class Scheduler:
         block_size: int,
         max_loras: int | None = None,
     ) -> None:
-        self.config = config
+        self.config = with_model_limit(config, None)  # the engine resolves it against the model
         self.max_loras = max_loras
         """Most distinct adapters in one step (None: adapters are not served)."""
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,36 +24,77 @@ from serve.metrics import ServerMetrics
 
 
 def _size(text: str) -> int:
-    """Bytes from '512MiB', '2GiB', '1e9' or a plain integer."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    """Bytes from '512MiB', '2GiB', '1e9' or a plain integer (> 0)."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+    units |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
     lowered = text.strip().lower()
-    for unit, factor in units.items():
+    number, factor = lowered, 1
+    for unit, unit_factor in units.items():
         if lowered.endswith(unit):
-            return int(float(lowered[: -len(unit)]) * factor)
+            number, factor = lowered[: -len(unit)], unit_factor
+            break
     try:
-        return int(float(lowered))
-    except ValueError:
+        value = int(float(number) * factor)
+    except (ValueError, OverflowError):
+        value = 0
+    if value < 1:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; use e.g. 512MiB, 2GiB or 1e9"
-        ) from None
+            f"{text!r} is not a positive size; use e.g. 512MiB, 2GiB or 1e9"
+        )
+    return value
+
+
+API_KEY_ENV = "WORKBENCH_API_KEY"
+
+
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            allowed = f"{low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: {allowed}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: (0, 1]")
+    return value
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="variant dir, HF model dir, hub id, or demo / demo-tiny")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument(
-        "--port", type=int, default=8000, help="port to bind (default 8000; 0 = any free)"
+        "--port",
+        type=_int_in(0, 65535),
+        default=8000,
+        help="port to bind (default 8000; 0 = any free)",
     )
     p.add_argument(
         "--served-model-name",
         help="name clients send as `model` (default: the variant name or dir name)",
     )
     p.add_argument(
-        "--api-key", help="require `Authorization: Bearer KEY` on every route but /health"
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help="require `Authorization: Bearer KEY` on every route but /health (default: "
+        f"${API_KEY_ENV}; prefer the variable: a flag is visible to every user in `ps`)",
     )
     p.add_argument(
         "--max-waiting",
-        type=int,
+        type=_int_in(1),
         default=256,
         help="queued requests beyond which new ones get 503 + Retry-After",
     )
@@ -68,7 +111,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds running requests get to finish after SIGTERM",
     )
     g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=8, help="tokens per KV block (default 8)")
+    g.add_argument(
+        "--block-size", type=_int_in(1, 1024), default=8, help="tokens per KV block (default 8)"
+    )
     g.add_argument(
         "--kv-cache-memory",
         type=_size,
@@ -77,19 +122,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--kv-cache-fraction",
-        type=float,
+        type=_fraction,
         default=0.5,
         help="fraction of free GPU memory for the KV cache when --kv-cache-memory is not given",
     )
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    g.add_argument(
+        "--max-num-seqs", type=_int_in(1), default=64, help="most requests running at once"
+    )
     g.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=_int_in(1),
         default=1024,
         help="token budget per step; longer prompts are prefilled in chunks",
     )
     g.add_argument(
-        "--max-model-len", type=int, default=2048, help="most tokens (prompt + output) per request"
+        "--max-model-len",
+        type=_int_in(1),
+        help="most tokens (prompt + output) per request (default and maximum: the model's "
+        "position limit)",
     )
     g.add_argument(
         "--no-prefix-caching",
@@ -109,7 +159,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "sdpa", "reference"],
         help="paged attention implementation",
     )
-    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--threads", type=_int_in(1), help="torch CPU threads (default: torch's choice)")
     g = p.add_argument_group("LoRA adapters")
     g.add_argument(
         "--lora",
@@ -120,25 +170,38 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-loras",
-        type=int,
+        type=_int_in(1),
         help="distinct adapters per step, i.e. device slots (turns LoRA serving on; 4 when only --lora is given)",
     )
     g.add_argument(
         "--max-lora-rank",
-        type=int,
+        type=_int_in(1),
         default=16,
         help="largest adapter rank served; slots are padded to it",
     )
-    g.add_argument("--max-cpu-loras", type=int, default=16, help="adapters kept loaded on the host")
+    g.add_argument(
+        "--max-cpu-loras",
+        type=_int_in(1),
+        default=16,
+        help="adapters kept loaded on the host; loading one more is refused (409) unless the "
+        'request says "evict": true',
+    )
     g.add_argument(
         "--lora-root",
         type=Path,
-        help="load adapters only from inside this directory (no .. or symlink escape)",
+        help="allow POST /v1/load_lora_adapter, from inside this directory only (no .. or "
+        "symlink escape, for every file read)",
+    )
+    g.add_argument(
+        "--allow-any-lora-path",
+        action="store_true",
+        help="allow POST /v1/load_lora_adapter from any path the server can read (without this "
+        "or --lora-root, loading adapters over HTTP is refused)",
     )
     g = p.add_argument_group("sampling")
     g.add_argument(
         "--seed",
-        type=int,
+        type=_int_in(0, 2**64 - 1),
         default=0,
         help="seed of the sampler for requests without their own seed",
     )
@@ -171,10 +234,28 @@ def initial_loras(args: argparse.Namespace) -> list[tuple[str, Path]]:
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
+    """The engine the flags describe; a setting that cannot work exits with a one-line error."""
     if args.threads:
         torch.set_num_threads(args.threads)
     loras = initial_loras(args)
-    engine = LLMEngine(
+    if args.lora_root is not None and not args.lora_root.is_dir():
+        raise SystemExit(f"--lora-root {args.lora_root}: no such directory")
+    try:
+        engine = _engine(args)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"workbench serve: {e}") from None
+    except torch.OutOfMemoryError as e:
+        raise SystemExit(f"workbench serve: out of memory while loading ({e})") from None
+    for name, path in loras:
+        try:
+            engine.load_lora(name, str(path))
+        except (AdapterError, InvalidRequest) as e:
+            raise SystemExit(f"--lora {name}={path}: {e}") from None
+    return engine
+
+
+def _engine(args: argparse.Namespace) -> LLMEngine:
+    return LLMEngine(
         ModelConfig(args.model, args.dtype, args.device, args.attention_backend),
         CacheConfig(args.block_size, args.kv_cache_memory, args.kv_cache_fraction),
         SchedulerConfig(
@@ -186,12 +267,6 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         seed=args.seed,
         lora=lora_config(args),
     )
-    for name, path in loras:
-        try:
-            engine.load_lora(name, str(path))
-        except (AdapterError, InvalidRequest) as e:
-            raise SystemExit(f"--lora {name}={path}: {e}") from None
-    return engine
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -201,7 +276,12 @@ def run_server(args: argparse.Namespace) -> int:
     name = args.served_model_name or served_name(args.model)
     engine = build_engine(args)
     settings = ServerSettings(
-        name, args.api_key, args.max_waiting, args.max_body_bytes, args.lora_root
+        name,
+        args.api_key or None,
+        args.max_waiting,
+        args.max_body_bytes,
+        args.lora_root,
+        args.allow_any_lora_path,
     )
     app = build_app(AsyncEngine(engine, ServerMetrics(name)), settings)
     logging.getLogger("workbench").info(

@@ -160,7 +160,9 @@ def serve_flags(recipe: Recipe, session: ServerSession) -> list[str]:
     flags += ["--max-model-len", str(longest)]
     if session.adapters:
         rank = max(_adapter_rank(a.path) for a in session.adapters)
-        flags += ["--max-loras", "1", "--max-lora-rank", str(rank)]
+        roots = {a.path.resolve().parent for a in session.adapters}
+        root = roots.pop() if len(roots) == 1 else Path(os.path.commonpath(roots))
+        flags += ["--max-loras", "1", "--max-lora-rank", str(rank), "--lora-root", str(root)]
     return flags
 
 

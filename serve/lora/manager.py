@@ -4,7 +4,8 @@ Model: a name maps to its current *version* (an adapter id, never reused). Loadi
 makes a new version; requests already running keep the version they started with (their
 `adapter_id`), new ones get the new version. Unloading removes the name; running requests keep
 their version until they finish. A version is kept on the host while a request uses it or while
-it is current (at most `max_cpu_loras` current ones, least recently used dropped first). Before a
+it is current. At most `max_cpu_loras` names are current: loading another one is refused
+(`AdapterLimit`) unless the caller asks to evict, which drops the least recently used. Before a
 step, each version the step uses gets one of `max_loras` device slots (slot 0 is "no adapter"),
 evicting the least recently used slot that the step does not use; the scheduler never puts more
 than `max_loras` distinct versions in one step.
@@ -22,6 +23,10 @@ from torch import nn
 
 from serve.lora.adapter import Adapter, AdapterError, load_adapter
 from serve.lora.layers import GATHER_MAX_TOKENS, LoraLinear, StepSlots, wrap
+
+
+class AdapterLimit(AdapterError):
+    """The host already holds `max_cpu_loras` adapters and the caller did not ask to evict."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ class AdapterManager:
             model, config.max_loras + 1, config.max_lora_rank, self.step, device, dtype
         )
         self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
-        self.device = device
+        self.device, self.dtype = device, dtype
         self.current: OrderedDict[str, int] = OrderedDict()
         """name -> current version, least recently used first."""
         self.versions: dict[int, Adapter] = {}
@@ -59,15 +64,33 @@ class AdapterManager:
         self._next_id = 1
         self.load_seconds: list[float] = []
 
-    def read(self, path: Path) -> Adapter:
-        """Read and check an adapter (no state changes: safe off the engine thread)."""
+    def read(self, path: Path, root: Path | None = None) -> Adapter:
+        """Read and check an adapter (no state changes: safe off the engine thread); with
+        `root`, every file read must resolve inside it."""
         started = time.perf_counter()
-        adapter = load_adapter(path, self.shapes, self.config.max_lora_rank)
+        adapter = load_adapter(path, self.shapes, self.config.max_lora_rank, root, self.dtype)
         self.load_seconds.append(time.perf_counter() - started)
         return adapter
 
-    def register(self, name: str, adapter: Adapter, in_use: set[int] = frozenset()) -> int:  # type: ignore[assignment]
-        """Make `adapter` the current version of `name` (a new version if the name exists)."""
+    def register(
+        self,
+        name: str,
+        adapter: Adapter,
+        in_use: set[int] = frozenset(),  # type: ignore[assignment]
+        evict: bool = False,
+    ) -> int:
+        """Make `adapter` the current version of `name` (a new version if the name exists).
+        A new name beyond `max_cpu_loras` evicts the least recently used name when `evict`,
+        else raises `AdapterLimit`, changing nothing."""
+        full = name not in self.current and len(self.current) >= self.config.max_cpu_loras
+        if full and not evict:
+            raise AdapterLimit(
+                f"the server already holds its maximum of {self.config.max_cpu_loras} adapters "
+                f"(--max-cpu-loras): {', '.join(self.current)}; unload one first, or load with "
+                f'"evict": true to drop the least recently used ({next(iter(self.current))!r})'
+            )
+        while name not in self.current and len(self.current) >= self.config.max_cpu_loras:
+            self.current.popitem(last=False)
         version, self._next_id = self._next_id, self._next_id + 1
         self.versions[version] = adapter
         self.names[version] = name
@@ -94,9 +117,7 @@ class AdapterManager:
         return version
 
     def release(self, in_use: set[int]) -> None:
-        """Drop versions no longer current and not in use; keep at most max_cpu_loras current."""
-        while len(self.current) > self.config.max_cpu_loras:
-            self.current.popitem(last=False)
+        """Drop versions no longer current and not in use."""
         keep = set(self.current.values()) | set(in_use)
         for version in [v for v in self.versions if v not in keep]:
             del self.versions[version]
@@ -115,6 +136,10 @@ class AdapterManager:
             for slot, rows in groups:
                 slots[rows] = slot
             self.step.token_slots = slots
+
+    def forget_slots(self) -> None:
+        """Treat every device slot as empty (after a failed step may have left one half-written)."""
+        self.slots.clear()
 
     def _slot_for(self, version: int, used: set[int]) -> int:
         if version in self.slots:

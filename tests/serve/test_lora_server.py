@@ -223,7 +223,9 @@ def test_bad_adapters_get_400_and_the_server_keeps_serving(
 
 
 def test_adapter_routes_need_the_api_key(model_dirs: dict[str, Path], adapter_root: Path) -> None:
-    s = start_thread_server(model_dirs["llama"], lora=LoraConfig(), api_key="k")
+    s = start_thread_server(
+        model_dirs["llama"], lora=LoraConfig(), api_key="k", lora_root=adapter_root
+    )
     try:
         body = {"lora_name": "x", "lora_path": str(adapter_root / "qv4")}
         assert httpx.post(f"{s.url}/v1/load_lora_adapter", json=body).status_code == 401

@@ -34,8 +34,9 @@ def client(server: ThreadServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics").text
+def metrics(url: str, api_key: str | None = None) -> dict[str, float]:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{url}/metrics", headers=headers).text
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
