@@ -9,6 +9,7 @@ format the server reads, so it imports neither the pipeline nor the steps.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -97,6 +98,57 @@ def remove_stale_tmp(parent: Path) -> list[Path]:
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     return stale
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_hashes(path: Path) -> dict[str, str]:
+    """sha256 of every file of an artifact dir but its manifest, by relative path; recorded in
+    the manifest as `files` and checked before the artifact is reused or served."""
+    return {
+        p.relative_to(path).as_posix(): file_sha256(p)
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def verify_files(path: Path, manifest: dict[str, Any]) -> str | None:
+    """None when every file the manifest records is there with its recorded content; else what
+    differs (missing, changed, or a manifest that records no hashes)."""
+    recorded = manifest.get("files")
+    if not isinstance(recorded, dict):
+        return "its manifest records no file hashes (made by an older workbench)"
+    inside = path.resolve()
+    for name, expected in sorted(recorded.items()):
+        file = path / name
+        if not file.resolve().is_relative_to(inside):
+            return f"its manifest names {name!r}, a file outside the artifact"
+        if not file.is_file():
+            return f"{name} is missing"
+        if file_sha256(file) != expected:
+            return f"{name} changed since it was built (sha256 mismatch)"
+    return None
+
+
+def check_intact(path: Path) -> None:
+    """Raise ValueError when `path` is an artifact whose manifest records file hashes and a file
+    no longer matches (a dir without a manifest, or with an older one, passes)."""
+    manifest = read_manifest(path)
+    if manifest is None or "files" not in manifest:
+        return
+    problem = verify_files(path, manifest)
+    if problem is not None:
+        variant = manifest.get("variant") or path.name
+        raise ValueError(
+            f"{path}: {problem}; the artifact is corrupt: rebuild it "
+            f"(workbench run RECIPE --variant {variant} rebuilds what changed)"
+        )
 
 
 def dir_bytes(path: Path) -> int:

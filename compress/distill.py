@@ -122,11 +122,13 @@ class Distill(Step):
     Params = DistillParams
     params: DistillParams
 
-    def check(self, artifact: Artifact | None, module_names: list[str]) -> None:
+    def check(self, artifact: Artifact | None, module_names: list[str] | None) -> None:
         if artifact is not None and artifact.quantization:
             raise StepError(
                 f"a quantized teacher ({artifact.quantization}) cannot be distilled from; distill before quantizing"
             )
+        if module_names is None:
+            return
         num_layers = len({n.split(".")[2] for n in module_names if n.startswith("model.layers.")})
         if isinstance(self.params.layers, list) and max(self.params.layers) >= num_layers:
             raise StepError(
@@ -158,6 +160,7 @@ class Distill(Step):
             ctx.seed,
             eval_every=p.eval_every,
             checkpoint_every=p.checkpoint_every,
+            keep_checkpoints=ctx.keep_checkpoints,
             desc="distill" if p.kd else "train (CE)",
         )
         result = train(

@@ -20,6 +20,9 @@ from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.targets import as_peft_regex, select
 from compress.training import TrainConfig, train
 
+UNTRAINABLE_QUANTIZATION = ("int8-wo",)
+"""Quantized inputs LoRA training refuses (found failing at the first checkpoint save)."""
+
 
 class LoraParams(StepParams):
     rank: int = Field(default=16, gt=0)
@@ -81,7 +84,15 @@ class Lora(Step):
     Params = LoraParams
     params: LoraParams
 
-    def check(self, artifact: Artifact | None, module_names: list[str]) -> None:
+    def check(self, artifact: Artifact | None, module_names: list[str] | None) -> None:
+        if artifact is not None and artifact.quantization in UNTRAINABLE_QUANTIZATION:
+            raise StepError(
+                f"LoRA cannot train on a {artifact.quantization} (torchao) input: PEFT's "
+                "checkpoints of its int8 weights fail to save. For QLoRA quantize with bnb-nf4 "
+                "or bnb-int8 instead, or train the LoRA on the full-precision base and serve the "
+                f"adapter on the {artifact.quantization} variant (`workbench serve VARIANT --lora "
+                "NAME=ADAPTER`)"
+            )
         select(module_names, self.params.targets, "lora.targets")
 
     def planned_output(self, artifact: Artifact) -> Artifact:
@@ -117,6 +128,7 @@ class Lora(Step):
             ctx.seed,
             desc="lora",
             checkpoint_every=max(p.steps // 4, 1),
+            keep_checkpoints=ctx.keep_checkpoints,
         )
         result = train(model, rows, _causal_lm_loss, cfg, checkpoint_dir=ctx.checkpoint_dir)
         model.save_pretrained(ctx.out_dir, safe_serialization=True)
@@ -144,7 +156,7 @@ class Merge(Step):
     Params = MergeParams
     accepts = ("adapter",)
 
-    def check(self, artifact: Artifact | None, module_names: list[str]) -> None:
+    def check(self, artifact: Artifact | None, module_names: list[str] | None) -> None:
         if artifact is not None and artifact.quantization:
             raise StepError(
                 f"merge needs a full-precision base, but this adapter's base is quantized "

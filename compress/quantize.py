@@ -53,7 +53,7 @@ class Quantize(Step):
     Params = QuantizeParams
     params: QuantizeParams
 
-    def check(self, artifact: Artifact | None, module_names: list[str]) -> None:
+    def check(self, artifact: Artifact | None, module_names: list[str] | None) -> None:
         if artifact is not None and artifact.quantization:
             raise StepError(
                 f"the input is already quantized ({artifact.quantization}); quantize a full-precision model"

@@ -32,6 +32,8 @@ class StepContext:
     checkpoint_dir: Path | None = None
     """A dir that survives an interrupted run (for training checkpoints); the pipeline deletes
     it once the step's artifact is complete."""
+    keep_checkpoints: int = 1
+    """Training checkpoints kept in `checkpoint_dir` (older ones are deleted as new ones land)."""
 
 
 class StepError(ValueError):
@@ -48,9 +50,10 @@ class Step:
     accepts: ClassVar[tuple[str, ...]] = ("model",)
     """Artifact kinds this step can take as input."""
 
-    def check(self, artifact: Artifact | None, module_names: list[str]) -> None:
+    def check(self, artifact: Artifact | None, module_names: list[str] | None) -> None:
         """Refuse, before anything runs, params that cannot work on this model (e.g. targets
-        matching no module); `artifact` is the input when known, `module_names` the base's."""
+        matching no module); `artifact` is the input when known, `module_names` the base's
+        (None when the base is not at hand yet: check what needs no module names)."""
 
     def planned_output(self, artifact: Artifact) -> Artifact:
         """What `apply` will make of this input, as far as kind and quantization go (the

@@ -18,14 +18,17 @@ def matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def select(module_names: list[str], targets: list[str], field: str = "targets") -> list[str]:
-    """Names matched by any target; StepError when a target matches nothing (with close names)."""
+def select(module_names: list[str] | None, targets: list[str], field: str = "targets") -> list[str]:
+    """Names matched by any target; StepError when a target matches nothing (with close names).
+    With `module_names` None (the model is not at hand yet) only the regexes are checked."""
     for target in targets:
         if target.startswith("re:"):
             try:
                 re.compile(target[3:])
             except re.error as e:
                 raise StepError(f"{field}: {target!r} is not a valid regex ({e})") from None
+        if module_names is None:
+            continue
         if not any(matches(n, target) for n in module_names):
             leaves = sorted({n.rsplit(".", 1)[-1] for n in module_names})
             close = difflib.get_close_matches(target.removeprefix("re:"), leaves, n=5, cutoff=0.4)
@@ -35,7 +38,7 @@ def select(module_names: list[str], targets: list[str], field: str = "targets") 
                 else f"module names end in: {', '.join(leaves[:12])}"
             )
             raise StepError(f"{field}: {target!r} matches no module of this model; {hint}")
-    return [n for n in module_names if any(matches(n, t) for t in targets)]
+    return [n for n in module_names or [] if any(matches(n, t) for t in targets)]
 
 
 def as_peft_regex(targets: list[str]) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,9 @@ class TrainConfig:
     """Validate every this many steps (0: only at the end)."""
     checkpoint_every: int = 0
     """Save a resumable checkpoint every this many steps (0: never)."""
+    keep_checkpoints: int = 1
+    """How many of the newest checkpoints to keep; older ones are deleted once a new one is
+    complete (so an interruption at any moment leaves one to resume from)."""
     desc: str = "training"
 
 
@@ -98,6 +102,8 @@ def train(
             model.train()
         if checkpoint_dir and config.checkpoint_every and done % config.checkpoint_every == 0:
             _save(accelerator, checkpoint_dir, done, result)
+            if accelerator.is_main_process:
+                prune_checkpoints(checkpoint_dir, config.keep_checkpoints)
     if validate:
         result.validation.append((config.steps, validate(accelerator.unwrap_model(model))))
     return result
@@ -111,6 +117,19 @@ def _save(accelerator: Any, checkpoint_dir: Path, step: int, result: TrainResult
         (target / "progress.json").write_text(json.dumps(progress))
         (checkpoint_dir / "latest").write_text(target.name)
     accelerator.wait_for_everyone()
+
+
+def prune_checkpoints(checkpoint_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest `step-N` checkpoints (never the one `latest` names)."""
+    latest = (checkpoint_dir / "latest").read_text().strip()
+    steps = sorted(
+        (p for p in checkpoint_dir.glob("step-*") if p.name.removeprefix("step-").isdigit()),
+        key=lambda p: int(p.name.removeprefix("step-")),
+    )
+    doomed = [p for p in steps[: max(0, len(steps) - max(keep, 1))] if p.name != latest]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
 
 
 def _resume(accelerator: object, checkpoint_dir: Path | None, result: TrainResult) -> int:

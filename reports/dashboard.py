@@ -25,13 +25,40 @@ PAGE = Path(__file__).with_name("dashboard.html")
 
 def load_runs(root: Path) -> dict[str, dict[str, Any]]:
     """{run: report} for every readable `<root>/*/report.json`, by run name."""
-    runs = {}
+    return scan_runs(root)[0]
+
+
+def scan_runs(root: Path) -> tuple[dict[str, dict[str, Any]], list[dict[str, str]]]:
+    """The usable reports by run name, and a note ({file, problem}) for each `report.json`
+    that is not one: a file that is JSON but not a report (or whose contents the page cannot
+    show) is skipped, so one bad file never empties the page."""
+    runs, skipped = {}, []
     for path in sorted(root.glob("*/report.json")):
         try:
-            runs[path.parent.name] = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+            report = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue  # a report being written; the next request sees it whole
-    return runs
+        problem = report_problem(path.parent.name, report)
+        if problem is None:
+            runs[path.parent.name] = report
+        else:
+            skipped.append({"file": str(path), "problem": problem})
+    return runs, skipped
+
+
+def report_problem(run: str, report: Any) -> str | None:
+    """None when `report` can be listed and compared; else what is wrong with it."""
+    if not isinstance(report, dict):
+        return f"holds a JSON {type(report).__name__}, not a report object"
+    missing = [k for k in ("title", "created", "columns", "variants") if k not in report]
+    if missing:
+        return f"not a workbench report: no {', '.join(missing)}"
+    try:
+        [v["name"] for v in report["variants"]]
+        compare({run: report}, [run], None)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+        return f"not a workbench report the dashboard can show ({type(e).__name__}: {e})"
+    return None
 
 
 def compare(
@@ -98,6 +125,10 @@ def build_app(root: Path) -> FastAPI:
                 for run, r in load_runs(root).items()
             ]
         )
+
+    @app.get("/api/skipped")
+    def list_skipped() -> JSONResponse:
+        return JSONResponse(scan_runs(root)[1])
 
     @app.get("/api/compare")
     def compare_route(

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from compress.artifact import load_kwargs
+from compress.artifact import check_intact, load_kwargs
 from serve.attention import ATTENTION_NAME, BACKENDS
 from serve.config import CacheConfig, ModelConfig
 from serve.scheduler import SchedulerOutput
@@ -103,6 +103,8 @@ def _check_supported(model: PreTrainedModel) -> None:
 
 def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
     path = Path(config.model)
+    if path.is_dir():
+        check_intact(path)
     source = str(path) if path.exists() else config.model
     kwargs = {"dtype": dtype, **(load_kwargs(path) if path.exists() else {})}
     model = AutoModelForCausalLM.from_pretrained(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from compress.artifact import Artifact
+from workbench.content_hash import sha256_cached
 from workbench.demo.cache import demo_model_dir, ensure_demo_model, spec_hash
 from workbench.demo.train import SPECS
 
@@ -52,20 +53,24 @@ def resolve_base(value: str, recipe_dir: Path) -> BaseRef:
 
 
 def base_fingerprint(ref: BaseRef) -> str:
-    """Identifies the base's content: a changed base invalidates every variant built on it."""
+    """Identifies the base's content: a changed base invalidates every variant built on it. A
+    local base is identified by the sha256 of every file (cached by path, size and mtime)."""
     if ref.kind == "demo":
         payload = f"demo:{ref.name}:{spec_hash(SPECS[ref.name])}"
     elif ref.kind == "hub":
         payload = f"hub:{ref.name}:{Path(_hub_snapshot(ref.name)).name}"
     else:
         root = Path(ref.name)
-        files = sorted(
-            (p.relative_to(root).as_posix(), p.stat().st_size)
-            for p in root.rglob("*")
-            if p.is_file()
-        )
-        payload = json.dumps([(root / "config.json").read_text(), files])
+        paths = sorted(p for p in root.rglob("*") if p.is_file() and not _hidden(p, root))
+        hashes = sha256_cached(paths)
+        files = [(p.relative_to(root).as_posix(), hashes[p]) for p in paths]
+        payload = json.dumps(["content", files])
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    """Dot files and dirs (.cache, .git) are not part of a model's content."""
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
 def _hub_snapshot(repo_id: str) -> str:
@@ -73,6 +78,21 @@ def _hub_snapshot(repo_id: str) -> str:
 
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
     return snapshot_download(repo_id, allow_patterns=patterns)
+
+
+def base_dir_if_present(ref: BaseRef) -> Path | None:
+    """The base's model dir when it is at hand without building or downloading anything."""
+    if ref.kind == "demo":
+        path = demo_model_dir(ref.name)
+        return path if path.is_dir() else None
+    if ref.kind == "local":
+        return Path(ref.name)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(ref.name, local_files_only=True))
+    except Exception:  # not cached (or the hub library cannot tell): nothing at hand
+        return None
 
 
 def base_artifact(ref: BaseRef) -> Artifact:
@@ -84,4 +104,11 @@ def base_artifact(ref: BaseRef) -> Artifact:
     return Artifact(Path(ref.name))
 
 
-__all__ = ["BaseRef", "base_artifact", "base_fingerprint", "demo_model_dir", "resolve_base"]
+__all__ = [
+    "BaseRef",
+    "base_artifact",
+    "base_dir_if_present",
+    "base_fingerprint",
+    "demo_model_dir",
+    "resolve_base",
+]

@@ -29,11 +29,21 @@ def _size(n: float) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """The schema, then the steps' own checks (order, quantized inputs, targets when the base
+    is at hand): what validate accepts, run does not refuse."""
+    from workbench.base_model import base_dir_if_present
+    from workbench.pipeline import module_names
+
     recipe, base = load_recipe(args.recipe)
+    base_dir = base_dir_if_present(base)
+    names = module_names(base_dir) if base_dir is not None else None
+    Pipeline(recipe, base, Path()).check(recipe.variants, names)
     out.print(
         f"{args.recipe}: ok: recipe {recipe.name!r}, base {base.name!r} ({base.kind}), "
         f"{len(recipe.variants)} variant(s): {', '.join(v.name for v in recipe.variants)}"
     )
+    if names is None:
+        out.print("  (module names not checked: the base is not built or downloaded yet)")
     return 0
 
 
@@ -75,10 +85,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         console.print(
             f"  {'built ' if r.status == 'built' else 'reused'} [bold]{r.name}[/] -> {r.path}"
         )
+        if r.rebuilt_because:
+            console.print(f"    [yellow]rebuilt, not reused:[/] {r.rebuilt_because}")
 
     from workbench.artifact_eval import evaluate
 
-    pipeline = Pipeline(recipe, base, work_dir, force=args.force, evaluate=evaluate)
+    pipeline = Pipeline(
+        recipe,
+        base,
+        work_dir,
+        force=args.force,
+        evaluate=evaluate,
+        keep_checkpoints=args.keep_checkpoints,
+    )
     results = pipeline.run(args.variant, on_result=show)
     if not is_main():  # under accelerate launch / torchrun the main process reports
         return 0
@@ -205,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild variants even when unchanged")
     p.add_argument(
         "--variant", action="append", metavar="NAME", help="only this variant (repeatable)"
+    )
+    p.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=1,
+        metavar="N",
+        help="training checkpoints kept per step while it trains (default 1: the newest)",
     )
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("demo-model", help="build (first use) and describe the offline demo model")

@@ -3,7 +3,9 @@
 Model: a step's output is named by a hash chain, `h_i = sha(h_{i-1}, step name, params, seed)`,
 starting from the base's fingerprint. A variant's final artifact lives in `variants/<name>/`; the
 outputs of earlier steps live in `artifacts/<h_i>/`, shared by variants with a common prefix.
-An artifact whose manifest records the expected hash is reused; any other is rebuilt. Every
+An artifact whose manifest records the expected hash, and whose files still have the content
+hashes the manifest records, is reused; any other (changed, truncated, missing files) is
+rebuilt, and the result says why. Every
 artifact is written to a temporary dir and renamed into place when complete, under a lock on the
 work dir, so an interrupted run leaves only temporary dirs, which the next run deletes.
 """
@@ -28,8 +30,10 @@ from compress.artifact import (
     atomic_dir,
     count_parameters,
     dir_bytes,
+    file_hashes,
     read_manifest,
     remove_stale_tmp,
+    verify_files,
     write_manifest,
 )
 from compress.registry import StepError
@@ -46,6 +50,8 @@ class VariantResult:
     path: Path
     status: Literal["built", "reused"]
     manifest: dict[str, Any]
+    rebuilt_because: str | None = None
+    """Why an artifact with the right hash was rebuilt instead of reused (its files changed)."""
 
 
 @dataclass(frozen=True)
@@ -93,14 +99,17 @@ class Pipeline:
         work_dir: Path,
         force: bool = False,
         evaluate: Evaluate | None = None,
+        keep_checkpoints: int = 1,
     ) -> None:
         self.recipe, self.base, self.work_dir, self.force = recipe, base, work_dir, force
+        self.keep_checkpoints = keep_checkpoints
         self.recipe_hash = recipe_hash(recipe)
         self.evaluate = evaluate
 
-    def check(self, variants: list[Variant], module_names: list[str]) -> None:
+    def check(self, variants: list[Variant], module_names: list[str] | None) -> None:
         """Each step must accept what the step before it makes, and its params must fit the
-        model (e.g. targets that exist); every problem is reported at once."""
+        model (e.g. targets that exist; not checked when `module_names` is None); every problem
+        is reported at once."""
         problems = []
         for v_index, variant in enumerate(self.recipe.variants):
             if variant not in variants:
@@ -149,17 +158,19 @@ class Pipeline:
         calls = _chain(variant, base_hash, self.recipe.seed)
         final = self.work_dir / "variants" / variant.name
         barrier()  # every process decides on the same files
-        if not self.force and _has_hash(final, calls[-1].hash):
+        problems: list[str] = []
+        if not self.force and _reusable(final, calls[-1].hash, problems):
             return VariantResult(variant.name, final, "reused", read_manifest(final) or {})
         artifact, parent = base, {"path": str(base.path), "hash": base_hash}
         for i, call in enumerate(calls):
             out = final if i == len(calls) - 1 else self.work_dir / "artifacts" / call.hash
-            if out != final and not self.force and _has_hash(out, call.hash):
+            if out != final and not self.force and _reusable(out, call.hash, problems):
                 artifact = artifact_from_manifest(out)
             else:
                 artifact = self._apply(variant, calls[: i + 1], artifact, parent, out)
             parent = {"path": str(out), "hash": call.hash}
-        return VariantResult(variant.name, final, "built", read_manifest(final) or {})
+        manifest = read_manifest(final) or {}
+        return VariantResult(variant.name, final, "built", manifest, "; ".join(problems) or None)
 
     def _apply(
         self,
@@ -172,7 +183,13 @@ class Pipeline:
         call = calls[-1]
         step = STEPS[call.name](call.params)
         checkpoints = self.work_dir / "checkpoints" / call.hash
-        ctx = StepContext(Path(), self.recipe.seed, _device(self.recipe.device), checkpoints)
+        ctx = StepContext(
+            Path(),
+            self.recipe.seed,
+            _device(self.recipe.device),
+            checkpoints,
+            self.keep_checkpoints,
+        )
         if not is_main():  # every process trains; only the main one writes the artifact
             with scratch_dir() as tmp:
                 made = step.apply(artifact, dataclasses.replace(ctx, out_dir=tmp))
@@ -203,6 +220,7 @@ class Pipeline:
                 "packages": package_versions(),
                 "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "info": made.info,
+                "files": file_hashes(tmp),
             }
             if self.evaluate is not None:
                 manifest["eval"] = self.evaluate(dataclasses.replace(made, path=tmp))
@@ -243,6 +261,13 @@ def parameter_count(kind: str, path: Path) -> int:
     return sum(p.numel() for p in _meta_model(path).parameters())
 
 
-def _has_hash(path: Path, expected: str) -> bool:
+def _reusable(path: Path, expected: str, problems: list[str]) -> bool:
+    """The artifact at `path` has the expected hash and its files are intact; when the hash is
+    right but the files are not, the reason is appended to `problems`."""
     manifest = read_manifest(path)
-    return manifest is not None and manifest.get("hash") == expected
+    if manifest is None or manifest.get("hash") != expected:
+        return False
+    problem = verify_files(path, manifest)
+    if problem is not None:
+        problems.append(f"{path}: {problem}")
+    return problem is None

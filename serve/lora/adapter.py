@@ -27,6 +27,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from compress.artifact import MANIFEST, check_intact
+
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
@@ -201,6 +203,12 @@ def load_adapter(
     `root`: when given, every file read must resolve inside it; `dtype`: the served dtype, in
     which the scaled weights must stay finite."""
     config = read_config(path, root)
+    try:
+        if (path / MANIFEST).exists():
+            _resolved_inside(path / MANIFEST, root)
+        check_intact(path)
+    except ValueError as e:
+        raise AdapterError(str(e)) from None
     tensors = _read_weights(path, root)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():

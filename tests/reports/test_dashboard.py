@@ -176,3 +176,52 @@ def test_unknown_run_is_a_clear_404(dashboard: str) -> None:
         "no report for run(s) nope" in r.json()["detail"]
         and "known: other, small" in r.json()["detail"]
     )
+
+
+def _add_bad_reports(root: Path) -> dict[str, str]:
+    """Files that are JSON but not reports, each with the words its note must carry."""
+    bad = {
+        "a-list": ([1, 2], "holds a JSON list"),
+        "not-a-report": ({"hello": "world"}, "no title, created, columns, variants"),
+        "bad-variants": (
+            {"title": "t", "created": "c", "columns": [], "variants": "x", "quality_axis": {}},
+            "cannot show",
+        ),
+    }
+    for run, (content, _) in bad.items():
+        (root / run).mkdir()
+        (root / run / "report.json").write_text(json.dumps(content))
+    return {run: words for run, (_, words) in bad.items()}
+
+
+def test_report_json_that_is_not_a_report_is_skipped_with_a_note(
+    dashboard: str, reports_dir: Path
+) -> None:
+    bad = _add_bad_reports(reports_dir)
+    runs = httpx.get(f"{dashboard}/api/runs")
+    assert runs.status_code == 200
+    assert [r["run"] for r in runs.json()] == ["other", "small"]
+    skipped = {
+        Path(s["file"]).parent.name: s["problem"]
+        for s in httpx.get(f"{dashboard}/api/skipped").json()
+    }
+    assert sorted(skipped) == sorted(bad)
+    for run, words in bad.items():
+        assert words in skipped[run], (run, skipped[run])
+    compared = httpx.get(f"{dashboard}/api/compare", params={"runs": "other,small"})
+    assert compared.status_code == 200 and compared.json()["rows"]
+
+
+def test_bad_report_note_shows_in_a_real_browser(
+    browser: object, dashboard: str, reports_dir: Path
+) -> None:
+    bad = _add_bad_reports(reports_dir)
+    browser.get(dashboard + "/")
+    _wait_updates(browser, 1)
+    notes = browser.execute_script(
+        "return [...document.querySelectorAll('#skipped li')].map(li => li.textContent)"
+    )
+    assert len(notes) == len(bad)
+    for run in bad:
+        assert any(f"{run}/report.json" in note for note in notes), notes
+    assert len(_labels(browser)) > 0
