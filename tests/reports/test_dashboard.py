@@ -185,7 +185,7 @@ def _add_bad_reports(root: Path) -> dict[str, str]:
         "not-a-report": ({"hello": "world"}, "no title, created, columns, variants"),
         "bad-variants": (
             {"title": "t", "created": "c", "columns": [], "variants": "x", "quality_axis": {}},
-            "cannot show",
+            "dashboard can show",
         ),
     }
     for run, (content, _) in bad.items():
