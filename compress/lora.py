@@ -21,7 +21,8 @@ from compress.targets import as_peft_regex, select
 from compress.training import TrainConfig, train
 
 UNTRAINABLE_QUANTIZATION = ("int8-wo",)
-"""Quantized inputs LoRA training refuses (found failing at the first checkpoint save)."""
+"""Quantized inputs LoRA training refuses: accelerate's `save_state` fails on torchao's int8
+tensor subclass ("Attempted to access the data pointer on an invalid python storage")."""
 
 
 class LoraParams(StepParams):
@@ -87,8 +88,9 @@ class Lora(Step):
     def check(self, artifact: Artifact | None, module_names: list[str] | None) -> None:
         if artifact is not None and artifact.quantization in UNTRAINABLE_QUANTIZATION:
             raise StepError(
-                f"LoRA cannot train on a {artifact.quantization} (torchao) input: PEFT's "
-                "checkpoints of its int8 weights fail to save. For QLoRA quantize with bnb-nf4 "
+                f"LoRA cannot train on a {artifact.quantization} (torchao) input: accelerate's "
+                "training checkpoint cannot save torchao's int8 weight tensors. For QLoRA "
+                "quantize with bnb-nf4 "
                 "or bnb-int8 instead, or train the LoRA on the full-precision base and serve the "
                 f"adapter on the {artifact.quantization} variant (`workbench serve VARIANT --lora "
                 "NAME=ADAPTER`)"

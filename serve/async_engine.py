@@ -212,9 +212,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self._drain_inbox():  # aborts change the gauges even when no step follows
-                self._refresh_stats(step=False)
+            ran = self._drain_inbox()
             if not self.engine.has_unfinished_requests():
+                if ran:  # aborts of the last requests: no step follows to refresh the gauges
+                    self._refresh_stats(step=False)
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue

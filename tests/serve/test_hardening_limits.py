@@ -25,7 +25,9 @@ def gpt2_64(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     """A GPT-2-style model with 64 learned positions."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    config = GPT2Config(
+        vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2, initializer_range=0.3
+    )
     out = tmp_path_factory.mktemp("gpt2-64")
     GPT2LMHeadModel(config).save_pretrained(out)
     tok.save_pretrained(out)
@@ -40,8 +42,18 @@ def test_max_model_len_defaults_to_the_models_position_limit(gpt2_64: Path) -> N
         body = {"model": "test-model", "prompt": list(range(5, 65)), "max_tokens": 8}
         r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        ok = httpx.post(f"{s.url}/v1/completions", json={**body, "max_tokens": 4}, timeout=60)
+        ok = httpx.post(
+            f"{s.url}/v1/completions",
+            json={**body, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        )
         assert ok.status_code == 200 and ok.json()["usage"]["total_tokens"] == 64
+        model = GPT2LMHeadModel.from_pretrained(gpt2_64).eval()
+        ids = torch.tensor([body["prompt"]])
+        with torch.inference_mode():  # up to the last position the model has, exactly
+            ref = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        tok = AutoTokenizer.from_pretrained(gpt2_64)
+        assert ok.json()["choices"][0]["text"] == tok.decode(ref[0, 60:], skip_special_tokens=True)
         assert httpx.get(f"{s.url}/health").status_code == 200
     finally:
         s.stop()
