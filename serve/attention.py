@@ -102,16 +102,16 @@ class SDPABackend:
                 qd, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True
             )
             out[g.rows] = o.squeeze(2)
-        for s in meta.prefills:
-            k = _gather(k_cache, s.block_ids, s.seq_len).transpose(0, 1)
-            v = _gather(v_cache, s.block_ids, s.seq_len).transpose(0, 1)
-            qp = q[s.start : s.end].transpose(0, 1)
+        for s in meta.prefills:  # NOTE: 4-D inputs: with 3-D ones SDPA takes its math path
+            k = _gather(k_cache, s.block_ids, s.seq_len).transpose(0, 1)[None]
+            v = _gather(v_cache, s.block_ids, s.seq_len).transpose(0, 1)[None]
+            qp = q[s.start : s.end].transpose(0, 1)[None]
             n = s.end - s.start
             mask = None if n == s.seq_len else _causal_mask(n, s.seq_len, q.device)
             o = F.scaled_dot_product_attention(
                 qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
             )
-            out[s.start : s.end] = o.transpose(0, 1)
+            out[s.start : s.end] = o[0].transpose(0, 1)
         return out
 
 
