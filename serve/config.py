@@ -55,6 +55,9 @@ class ModelConfig:
     """cpu, cuda or cuda:N; auto: cuda when available."""
     attention_backend: str = "auto"
     """`sdpa` (gathered blocks, any device) or `reference` (plain per-sequence loop)."""
+    prepack_linears: bool = True
+    """On the CPU in float32: run plain linear layers through oneDNN with prepacked weights
+    (`serve/cpu_linear.py`); False keeps `F.linear`."""
 
 
 DEFAULT_MAX_MODEL_LEN = 2048

@@ -23,6 +23,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from serve.config import CacheConfig, ModelConfig, SchedulerConfig, with_model_limit
+from serve.cpu_linear import can_prepack, prepack_linears
 from serve.kv_cache_manager import cdiv
 from serve.lora.adapter import Adapter
 from serve.lora.manager import AdapterManager, LoraConfig
@@ -100,6 +101,9 @@ class LLMEngine:
             scheduler or SchedulerConfig(), position_limit(hf_model)
         )
         backend = "sdpa" if model.attention_backend == "auto" else model.attention_backend
+        self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+        if model.prepack_linears and can_prepack(device, dtype):
+            prepack_linears(hf_model)
         self.runner = ModelRunner(hf_model, cache, device, backend)
         self.adapters = (
             AdapterManager(hf_model, lora, device, self.runner.layout.dtype) if lora else None
@@ -107,7 +111,6 @@ class LLMEngine:
         max_loras = lora.max_loras if lora else None
         self.scheduler = Scheduler(scheduler, self.runner.num_blocks, cache.block_size, max_loras)
         self.sampler = Sampler(seed)
-        self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         self._arrivals = itertools.count()
         self._texts: dict[str, str] = {}
         self.timings: dict[str, float] = defaultdict(float)

@@ -160,6 +160,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="paged attention implementation",
     )
     g.add_argument("--threads", type=_int_in(1), help="torch CPU threads (default: torch's choice)")
+    g.add_argument(
+        "--no-prepack-linears",
+        action="store_true",
+        help="on the CPU in float32, keep F.linear instead of oneDNN with prepacked weights",
+    )
     g = p.add_argument_group("LoRA adapters")
     g.add_argument(
         "--lora",
@@ -256,7 +261,13 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
 
 def _engine(args: argparse.Namespace) -> LLMEngine:
     return LLMEngine(
-        ModelConfig(args.model, args.dtype, args.device, args.attention_backend),
+        ModelConfig(
+            args.model,
+            args.dtype,
+            args.device,
+            args.attention_backend,
+            prepack_linears=not args.no_prepack_linears,
+        ),
         CacheConfig(args.block_size, args.kv_cache_memory, args.kv_cache_fraction),
         SchedulerConfig(
             args.max_num_seqs,

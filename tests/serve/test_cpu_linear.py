@@ -1,0 +1,61 @@
+"""oneDNN-prepacked linears: same products as F.linear, only plain float32 layers replaced,
+on by default in the engine with the same greedy tokens as without."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from serve.config import CacheConfig, ModelConfig
+from serve.cpu_linear import PackedLinear, prepack_linears
+from serve.engine import LLMEngine
+from serve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
+)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(7, 48), (2, 5, 48)])
+def test_packed_linear_matches_f_linear(bias: bool, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias)
+    x = torch.randn(*shape)
+    want = linear(x)
+    got = PackedLinear(linear)(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_only_plain_float32_linears_are_replaced() -> None:
+    class Custom(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).bfloat16(), Custom(8, 8))
+    assert prepack_linears(model) == 1
+    assert [type(m).__name__ for m in model] == ["PackedLinear", "Linear", "Custom"]
+
+
+def test_engine_prepacks_by_default_with_the_same_greedy_tokens(
+    model_dirs: dict[str, Path],
+) -> None:
+    outputs, packed = {}, {}
+    for prepack in (True, False):
+        engine = LLMEngine(
+            ModelConfig(str(model_dirs["llama"]), "float32", "cpu", prepack_linears=prepack),
+            CacheConfig(num_blocks=256),
+        )
+        packed[prepack] = sum(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        for i, prompt in enumerate([[5, 6, 7], list(range(20, 90))]):
+            engine.add_request(str(i), prompt, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        outputs[prepack] = done
+    assert packed[True] == 2 * 7 + 1 and packed[False] == 0  # 7 per layer + lm_head
+    assert outputs[True] == outputs[False]
