@@ -54,13 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=128)
     args = parser.parse_args(argv)
     if args.model is None:
-        import tempfile
+        from evals.engine_bench import default_llama_25m
 
-        from evals.engine_bench import random_llama_25m
-        from workbench.demo import ensure_demo_model
-
-        scratch = Path(tempfile.gettempdir()) / "workbench-llama-25m"
-        args.model = random_llama_25m(ensure_demo_model("demo"), scratch)
+        args.model = default_llama_25m()
     engines = {
         "prepacked": make_engine(args.model, True),
         "F.linear": make_engine(args.model, False),

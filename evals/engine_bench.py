@@ -74,6 +74,17 @@ def random_llama_25m(tokenizer_dir: Path, out: Path) -> Path:
     return out
 
 
+def default_llama_25m() -> Path:
+    """The 25M random Llama in the temp dir (built once, on the demo model's tokenizer): the
+    default model of the small engine benchmarks."""
+    import tempfile
+
+    from workbench.demo import ensure_demo_model
+
+    scratch = Path(tempfile.gettempdir()) / "workbench-llama-25m"
+    return random_llama_25m(ensure_demo_model("demo"), scratch)
+
+
 @dataclass
 class Measured:
     seconds: float

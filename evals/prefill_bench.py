@@ -61,13 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args(argv)
     if args.model is None:
-        import tempfile
+        from evals.engine_bench import default_llama_25m
 
-        from evals.engine_bench import random_llama_25m
-        from workbench.demo import ensure_demo_model
-
-        scratch = Path(tempfile.gettempdir()) / "workbench-llama-25m"
-        args.model = random_llama_25m(ensure_demo_model("demo"), scratch)
+        args.model = default_llama_25m()
     llm = LLM(
         args.model,
         device="cpu",
