@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.async_engine import AsyncEngine, EngineDeadError, RequestFailed, UnknownAdapter
 from serve.engine import InvalidRequest
-from serve.http_middleware import ApiKey, BodyLimit
+from serve.http_middleware import ApiKey, BodyLimit, error_response
 from serve.lora.adapter import AdapterError
 from serve.lora.manager import AdapterLimit
 from serve.openai_responses import chat_choice, completion_choice
@@ -68,17 +68,6 @@ class ServerSettings:
     the server process can read could then be loaded."""
 
 
-def _error(
-    status: int,
-    message: str,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(error_body(message, kind, param, code), status, headers=headers)
-
-
 def _field(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts) or "body"
@@ -116,23 +105,23 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         field, message = _validation_message(exc)
-        return _error(400, message, field)
+        return error_response(400, message, field)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(RequestError)
     async def refused(_: Request, exc: RequestError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(InvalidRequest)
     async def engine_refused(_: Request, exc: InvalidRequest) -> JSONResponse:
-        return _error(400, str(exc))
+        return error_response(400, str(exc))
 
     @app.exception_handler(EngineDeadError)
     async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error(500, str(exc))
+        return error_response(500, str(exc))
 
     @app.exception_handler(ClientGone)
     async def gone(_: Request, exc: ClientGone) -> Response:
@@ -140,7 +129,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestFailed)
     async def failed(_: Request, exc: RequestFailed) -> JSONResponse:
-        return _error(500, str(exc))
+        return error_response(500, str(exc))
 
     def admit(model: str, num_requests: int) -> str | None:
         """The adapter the request runs on (None: the base); 404 / 503 when it cannot run."""
@@ -156,7 +145,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(_Busy)
     async def busy(_: Request, exc: _Busy) -> JSONResponse:
-        return _error(
+        return error_response(
             503,
             f"the server is at its limit of {exc.limit} waiting requests; retry later",
             headers={"Retry-After": "1"},
@@ -174,15 +163,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(UnknownAdapter)
     async def unknown_adapter(_: Request, exc: UnknownAdapter) -> JSONResponse:
         error = _model_not_found(str(exc.args[0]), settings.model_name)
-        return _error(error.status, error.message, error.param, error.code)
+        return error_response(error.status, error.message, error.param, error.code)
 
     @app.exception_handler(AdapterError)
     async def bad_adapter(_: Request, exc: AdapterError) -> JSONResponse:
-        return _error(400, str(exc), "lora_path")
+        return error_response(400, str(exc), "lora_path")
 
     @app.exception_handler(AdapterLimit)
     async def adapter_limit(_: Request, exc: AdapterLimit) -> JSONResponse:
-        return _error(409, str(exc), "lora_name", "adapter_limit")
+        return error_response(409, str(exc), "lora_name", "adapter_limit")
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora(body: LoadLoraRequest) -> dict[str, Any]:

@@ -175,12 +175,8 @@ class AsyncEngine:
         return list(self.engine.adapters.current) if self.engine.adapters else []
 
     async def abort(self, request_id: str) -> None:
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
+        if self._end(request_id, "abort", time.perf_counter()) is None:
             return
-        tracked.finished = True
-        elapsed = time.perf_counter() - tracked.arrival
-        self.metrics.observe_finish("abort", tracked.num_prompt_tokens, elapsed)
         if self.dead is None:
             await self._call(lambda: self.engine.abort(request_id))
 
@@ -263,12 +259,8 @@ class AsyncEngine:
             "it was ended, other requests are unaffected"
         )
         for request_id in request_ids:
-            tracked = self._tracked.pop(request_id, None)
+            tracked = self._end(request_id, "error", time.perf_counter())
             if tracked is not None:
-                tracked.finished = True
-                self.metrics.observe_finish(
-                    "error", tracked.num_prompt_tokens, time.perf_counter() - tracked.arrival
-                )
                 self._loop.call_soon_threadsafe(tracked.queue.put_nowait, error)
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
@@ -281,13 +273,18 @@ class AsyncEngine:
             self.metrics.observe_token(tracked.last_token_at is None, since, new_tokens)
             tracked.last_token_at, tracked.num_tokens = now, len(out.token_ids)
         if out.finished:
-            tracked.finished = True
-            self._tracked.pop(out.request_id, None)
-            self.metrics.observe_finish(
-                out.finish_reason or "abort", tracked.num_prompt_tokens, now - tracked.arrival
-            )
+            self._end(out.request_id, out.finish_reason or "abort", now)
         assert self._loop is not None
         self._loop.call_soon_threadsafe(tracked.queue.put_nowait, out)
+
+    def _end(self, request_id: str, reason: str, now: float) -> Tracked | None:
+        """Stop tracking a request and count its finish; None when it had already ended (an
+        abort and the engine's last output can race: exactly one of them ends it)."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None:
+            tracked.finished = True
+            self.metrics.observe_finish(reason, tracked.num_prompt_tokens, now - tracked.arrival)
+        return tracked
 
     def _fail_all(self, error: BaseException) -> None:
         assert self._loop is not None

@@ -123,9 +123,14 @@ class LLMEngine:
         return self.scheduler_config.max_model_len
 
     @property
+    def kv_tokens(self) -> int:
+        """Tokens the whole KV cache holds."""
+        return self.runner.num_blocks * self.cache_config.block_size
+
+    @property
     def context_limit(self) -> int:
         """Most tokens one request can hold: max_model_len, or less when the KV cache is smaller."""
-        return min(self.max_model_len, self.runner.num_blocks * self.cache_config.block_size)
+        return min(self.max_model_len, self.kv_tokens)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
@@ -154,8 +159,7 @@ class LLMEngine:
     def _validate(
         self, request_id: str, token_ids: list[int], params: SamplingParams, adapter_id: int | None
     ) -> None:
-        limit = self.max_model_len
-        capacity = self.runner.num_blocks * self.cache_config.block_size
+        limit, capacity = self.max_model_len, self.kv_tokens
         if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         if adapter_id is not None and (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.protocol import error_body
@@ -15,11 +16,16 @@ from serve.protocol import error_body
 JSON = b"application/json"
 
 
-def _json_error(status: int, message: str, param: str | None = None, code: str | None = None):
-    from fastapi.responses import JSONResponse
-
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """An OpenAI error object with `status` (invalid_request_error below 500)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(error_body(message, kind, param, code), status)
+    return JSONResponse(error_body(message, kind, param, code), status, headers=headers)
 
 
 class BodyLimit:
@@ -55,7 +61,7 @@ class BodyLimit:
         await self.app(scope, _replay([body], receive), send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = _json_error(
+        response = error_response(
             413, f"the request body is over the limit of {self.limit} bytes", "body"
         )
         await response(scope, receive, send)
@@ -87,7 +93,7 @@ class ApiKey:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):
-            response = _json_error(
+            response = error_response(
                 401,
                 "missing or wrong API key: send Authorization: Bearer <key>",
                 code="invalid_api_key",

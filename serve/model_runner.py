@@ -135,11 +135,11 @@ class ModelRunner:
         if cache.num_blocks is not None:
             return cache.num_blocks
         budget = cache.kv_cache_bytes
-        if budget is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cache.kv_cache_memory_fraction)
-        budget = budget or CPU_DEFAULT_KV_BYTES
         available = available_memory(self.device)
+        if budget is None and self.device.type == "cuda":
+            assert available is not None  # CUDA always reports its free memory
+            budget = int(available * cache.kv_cache_memory_fraction)
+        budget = budget or CPU_DEFAULT_KV_BYTES
         if available is not None and budget > available:
             raise ValueError(
                 f"a KV cache of {budget / 2**20:.1f} MiB does not fit in the "

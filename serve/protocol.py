@@ -21,23 +21,23 @@ MAX_N = 16
 MAX_PATH_CHARS = 4096
 
 
-def _check_text(value: Any, where: str = "") -> None:
+def _check_text(value: Any) -> None:
     """Raise ValueError for a string anywhere in `value` that UTF-8 cannot encode."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(
-                f"{where or 'a string'} holds {value[e.start : e.end]!r} at character {e.start}, "
+                f"a string holds {value[e.start : e.end]!r} at character {e.start}, "
                 "which is not valid Unicode (a lone surrogate); send valid UTF-8 text"
             ) from None
     elif isinstance(value, list | tuple):
         for item in value:
-            _check_text(item, where)
+            _check_text(item)
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_text(key, where)
-            _check_text(item, where)
+            _check_text(key)
+            _check_text(item)
 
 
 class _Strict(BaseModel):

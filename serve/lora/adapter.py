@@ -148,11 +148,11 @@ def read_config(path: Path, root: Path | None = None) -> dict:
                 f"{path}: no {CONFIG}; this is not a PEFT adapter dir (save it with PeftModel.save_pretrained)"
             )
         config = json.loads(_resolved_inside(path / CONFIG, root).read_text())
+    except AdapterError:
+        raise
     except json.JSONDecodeError as e:
         raise AdapterError(f"{path / CONFIG}: not valid JSON ({e})") from None
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        if isinstance(e, AdapterError):
-            raise
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path, undecodable bytes
         raise AdapterError(f"{str(path)[:200]}: cannot be read ({type(e).__name__})") from None
     if not isinstance(config, dict):
         raise AdapterError(

@@ -82,15 +82,15 @@ class AdapterManager:
         """Make `adapter` the current version of `name` (a new version if the name exists).
         A new name beyond `max_cpu_loras` evicts the least recently used name when `evict`,
         else raises `AdapterLimit`, changing nothing."""
-        full = name not in self.current and len(self.current) >= self.config.max_cpu_loras
-        if full and not evict:
-            raise AdapterLimit(
-                f"the server already holds its maximum of {self.config.max_cpu_loras} adapters "
-                f"(--max-cpu-loras): {', '.join(self.current)}; unload one first, or load with "
-                f'"evict": true to drop the least recently used ({next(iter(self.current))!r})'
-            )
-        while name not in self.current and len(self.current) >= self.config.max_cpu_loras:
-            self.current.popitem(last=False)
+        if name not in self.current and len(self.current) >= self.config.max_cpu_loras:
+            if not evict:
+                raise AdapterLimit(
+                    f"the server already holds its maximum of {self.config.max_cpu_loras} "
+                    f"adapters (--max-cpu-loras): {', '.join(self.current)}; unload one first, or "
+                    f'load with "evict": true to drop the least recently used '
+                    f"({next(iter(self.current))!r})"
+                )
+            self.current.popitem(last=False)  # NOTE: never more than max_cpu_loras are current
         version, self._next_id = self._next_id, self._next_id + 1
         self.versions[version] = adapter
         self.names[version] = name
