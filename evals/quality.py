@@ -1,24 +1,43 @@
 """Quality of one variant with lm-eval: `simple_evaluate` over an `HFLM` that wraps the model
 already in memory (an adapter variant is its base with the adapter applied through PEFT).
 
-Model: the tasks are the YAML files in `evals/tasks/` (a `TaskManager` with lm-eval's own tasks
-switched off), whose documents come from local files; lm-eval runs with the hub switched off and
-its HF cache in a temporary dir, so nothing can be fetched. `max_length` is the window of the
-rolling perplexity and the longest context scored; one value per recipe, so variants compare.
+Model: a task is either one of ours (the YAML files in `evals/tasks/`, documents from local files)
+or one of lm-eval's standard tasks by its standard name (`evals.standard_tasks`: lm-eval's own
+definition, its data from the local HF cache or the bundled copies). Only those files are indexed
+(a `TaskManager` with lm-eval's task tree switched off); lm-eval runs with the hub switched off
+(and, unless a task reads the user's HF cache, that cache in a temporary dir), so nothing can be
+fetched. A task may be scored on a seeded random subset of `limit` documents (lm-eval's `samples`).
+Accuracies come with their standard error. `max_length` is the window of the rolling perplexity
+and the longest context scored; one value per recipe, so variants compare.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from evals import standard_tasks
+from evals.standard_tasks import Source, TaskSource
+
 TASKS_DIR = Path(__file__).parent / "tasks"
 METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte", "acc", "acc_norm")
+
+
+@dataclass(frozen=True)
+class TaskRequest:
+    """One task to score: all its documents, or a random subset of `limit` drawn with `seed`."""
+
+    name: str
+    limit: int | None = None
+    seed: int = 0
+    source: Source = "auto"
 
 
 def available_tasks() -> list[str]:
@@ -31,13 +50,29 @@ def available_tasks() -> list[str]:
     return names
 
 
+def check_task(request: TaskRequest) -> TaskSource | None:
+    """Where a standard task's documents come from (None for ours); ValueError naming the fix
+    for an unknown task or one without data here."""
+    if standard_tasks.is_standard(request.name):
+        return standard_tasks.resolve_source(request.name, request.source)
+    if request.name in available_tasks():
+        return None
+    raise ValueError(
+        f"unknown lm-eval task {request.name!r}; allowed: ours ({', '.join(available_tasks())}), "
+        f"or lm-eval's {', '.join(standard_tasks.STANDARD)}, mmlu, mmlu_<subject>"
+    )
+
+
 @contextlib.contextmanager
-def offline_hub() -> Iterator[None]:
-    """HF hub and datasets offline, HF cache in a fresh temporary dir, for the block's duration."""
+def offline_hub(private_cache: bool = True) -> Iterator[None]:
+    """HF hub and datasets offline for the block's duration; with `private_cache`, the HF cache
+    is a fresh temporary dir too (nothing of the user's is read or written)."""
     keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HOME")
     saved = {k: os.environ.get(k) for k in keys}
     with tempfile.TemporaryDirectory(prefix="workbench-lm-eval-") as home:
-        os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=home)
+        os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        if private_cache:
+            os.environ["HF_HOME"] = home
         try:
             yield
         finally:
@@ -48,33 +83,48 @@ def offline_hub() -> Iterator[None]:
                     os.environ[k] = v
 
 
-def task_manager() -> Any:
+def task_manager(extra_dir: Path | None = None) -> Any:
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+    paths = [str(TASKS_DIR), *([str(extra_dir)] if extra_dir else [])]
+    return TaskManager(include_path=paths, include_defaults=False)
 
 
-def summarize(results: dict[str, Any], tasks: list[str]) -> dict[str, dict[str, float]]:
-    """{task: {metric: value, metric_stderr: value, "samples": n}} from lm-eval's results."""
-    out: dict[str, dict[str, float]] = {}
+def _is_float(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def summarize(
+    results: dict[str, Any], tasks: list[str], sources: dict[str, dict[str, str]] | None = None
+) -> dict[str, dict[str, Any]]:
+    """{task: {metric: value, metric_stderr: value, "samples": n[, "source", "split"]}} from
+    lm-eval's results (a group's n is the sum over its subtasks)."""
+    out: dict[str, dict[str, Any]] = {}
     for task in tasks:
         row = results["results"][task]
-        metrics: dict[str, float] = {}
+        metrics: dict[str, Any] = {}
         for metric in METRICS:
-            if f"{metric},none" in row:
+            if _is_float(row.get(f"{metric},none")):
                 metrics[metric] = float(row[f"{metric},none"])
                 stderr = row.get(f"{metric}_stderr,none")
-                if isinstance(stderr, int | float):
+                if _is_float(stderr):
                     metrics[f"{metric}_stderr"] = float(stderr)
-        metrics["samples"] = float(results["n-samples"][task]["effective"])
+        metrics["samples"] = float(_effective(results, task))
+        metrics |= (sources or {}).get(task, {})
         out[task] = metrics
     return out
+
+
+def _effective(results: dict[str, Any], task: str) -> int:
+    if task in results["n-samples"]:
+        return int(results["n-samples"][task]["effective"])
+    return sum(_effective(results, t) for t in results["group_subtasks"][task])
 
 
 def evaluate_model(
     model: Any,
     tokenizer: Any,
-    tasks: list[str],
+    tasks: list[TaskRequest],
     max_length: int,
     batch_size: int = 16,
     limit: int | None = None,
@@ -88,25 +138,68 @@ def evaluate_model(
     return run_tasks(lm, None, tasks, limit, log_samples)
 
 
+def _leaf_doc_counts(names: list[str], manager: Any) -> dict[str, int]:
+    """{leaf task: documents in its scored split}, from the task objects lm-eval builds."""
+    tasks = manager.load(names)["tasks"]
+    return {name: len(task.eval_docs) for name, task in tasks.items()}
+
+
+def _subsets(tasks: list[TaskRequest], manager: Any) -> dict[str, list[int]]:
+    """lm-eval's `samples`: for each leaf of a task with a limit, `limit` sorted document
+    indices drawn with the task's seed (all documents when there are no more)."""
+    limited = [t for t in tasks if t.limit is not None]
+    if not limited:
+        return {}
+    out: dict[str, list[int]] = {}
+    for t in limited:
+        assert t.limit is not None
+        for leaf, total in _leaf_doc_counts([t.name], manager).items():
+            if t.limit < total:
+                out[leaf] = sorted(random.Random(t.seed).sample(range(total), t.limit))
+    return out
+
+
 def run_tasks(
     model: Any,
     model_args: dict[str, Any] | None,
-    tasks: list[str],
+    tasks: list[TaskRequest],
     limit: int | None,
     log_samples: bool,
 ) -> dict[str, Any]:
-    """`simple_evaluate` on the bundled tasks, hub off; `model` is an lm-eval model object or
-    a registered model name with its `model_args`. Stderr is skipped (`bootstrap_iters=0`)."""
+    """`simple_evaluate` on `tasks`, hub off; `model` is an lm-eval model object or a registered
+    model name with its `model_args`. `limit` (the first documents of every task) overrides the
+    tasks' own subsets. The results carry `workbench_sources`: each standard task's source and
+    split."""
     from lm_eval import simple_evaluate
 
-    with offline_hub():
-        return simple_evaluate(
+    sources = {t.name: check_task(t) for t in tasks}
+    hub = any(s is not None and s.source == "hub" for s in sources.values())
+    with tempfile.TemporaryDirectory(prefix="workbench-tasks-") as tmp, offline_hub(not hub):
+        records = []
+        for t in tasks:
+            where = sources[t.name]
+            if where is None:
+                continue
+            leaves = standard_tasks.leaf_tasks(t.name)
+            for leaf in leaves:
+                leaf_where = standard_tasks.resolve_source(leaf, t.source)
+                standard_tasks.write_task_yaml(leaf_where, Path(tmp))
+                records.append(leaf_where)
+            if leaves != [t.name]:
+                standard_tasks.write_group_yaml(t.name, Path(tmp))
+                records.append(TaskSource(t.name, where.source, where.split, where.path))
+        manager = task_manager(Path(tmp))
+        samples = _subsets(tasks, manager) if limit is None else {}
+        results = simple_evaluate(
             model=model,
             model_args=model_args,
-            tasks=tasks,
-            task_manager=task_manager(),
+            tasks=[t.name for t in tasks],
+            task_manager=manager,
             limit=limit,
+            samples=samples or None,
             log_samples=log_samples,
-            bootstrap_iters=0,
+            bootstrap_iters=1000,  # accuracies' stderr is analytic; nothing here bootstraps
             verbosity="ERROR",
         )
+    results["workbench_sources"] = standard_tasks.split_record(records)
+    return results

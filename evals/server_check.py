@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from evals.quality import evaluate_model, run_tasks
+from evals.quality import TaskRequest, evaluate_model, run_tasks
 
 ABS_TOL = 1e-3
 """Nats per request: float32 on both sides, different kernels (paged attention vs SDPA)."""
@@ -20,7 +20,12 @@ REL_TOL = 1e-6
 
 
 def server_results(
-    url: str, model_name: str, tokenizer_dir: str, tasks: list[str], max_length: int, limit: int
+    url: str,
+    model_name: str,
+    tokenizer_dir: str,
+    tasks: list[TaskRequest],
+    max_length: int,
+    limit: int,
 ) -> dict[str, Any]:
     model_args = {
         "model": model_name,
@@ -46,11 +51,11 @@ def _pairs(response: Any) -> list[tuple[float, bool | None]]:
     return out
 
 
-def compare(local: dict[str, Any], remote: dict[str, Any], tasks: list[str]) -> dict[str, Any]:
-    """Per task: requests compared, the largest absolute and relative difference, and whether
+def compare(local: dict[str, Any], remote: dict[str, Any]) -> dict[str, Any]:
+    """Per (leaf) task: requests compared, the largest absolute and relative difference, and whether
     every request is within tolerance with the same greedy flag."""
     report: dict[str, Any] = {"abs_tol": ABS_TOL, "rel_tol": REL_TOL, "tasks": {}}
-    for task in tasks:
+    for task in sorted(local["samples"]):
         a = {s["doc_id"]: _pairs(s["filtered_resps"]) for s in local["samples"][task]}
         b = {s["doc_id"]: _pairs(s["filtered_resps"]) for s in remote["samples"][task]}
         if a.keys() != b.keys():
@@ -80,11 +85,11 @@ def check_server(
     model: Any,
     tokenizer: Any,
     tokenizer_dir: str,
-    tasks: list[str],
+    tasks: list[TaskRequest],
     max_length: int,
     limit: int = 8,
 ) -> dict[str, Any]:
     """Both runs over the first `limit` documents of each task, compared."""
     local = evaluate_model(model, tokenizer, tasks, max_length, limit=limit, log_samples=True)
     remote = server_results(url, model_name, tokenizer_dir, tasks, max_length, limit)
-    return compare(local, remote, tasks)
+    return compare(local, remote)

@@ -60,7 +60,7 @@ def build_report(
     reused: list[str],
 ) -> dict[str, Any]:
     """`manifests` in recipe order: {variant: manifest}; the rest keyed by variant name."""
-    tasks = list(recipe.evals.quality)
+    tasks = recipe.evals.task_names()
     load_settings = recipe.evals.load.model_dump(mode="json") if recipe.evals.load else None
     rows = [variant_row(n, m, quality.get(n), load.get(n)) for n, m in manifests.items()]
     add_recovery(rows, tasks, quality)

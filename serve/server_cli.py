@@ -74,7 +74,10 @@ def _fraction(text: str) -> float:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="variant dir, HF model dir, hub id, or demo / demo-tiny")
+    p.add_argument(
+        "model",
+        help="variant dir, HF model dir, .gguf file, hub id, demo / demo-tiny, or smollm2-135m",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument(
         "--port",

@@ -23,8 +23,9 @@ EVAL_ROWS = 64
 SEQ_LEN = 128
 
 
-def load_for_eval(artifact: Artifact) -> torch.nn.Module:
-    """The model an artifact describes: the model itself, or an adapter on its base (PEFT)."""
+def load_for_eval(artifact: Artifact, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model an artifact describes: the model itself, or an adapter on its base (PEFT);
+    float weights (and activations) in `dtype`."""
     from transformers import AutoModelForCausalLM
 
     if artifact.kind == "adapter":
@@ -32,10 +33,10 @@ def load_for_eval(artifact: Artifact) -> torch.nn.Module:
 
         assert artifact.base is not None, "an adapter artifact names its base"
         base = AutoModelForCausalLM.from_pretrained(
-            artifact.base, dtype=torch.float32, device_map="cpu"
+            artifact.base, dtype=dtype, device_map="cpu", **load_kwargs(artifact.base)
         )
-        return PeftModel.from_pretrained(base, artifact.path).eval()
-    kwargs = {"dtype": torch.float32, "device_map": "cpu", **load_kwargs(artifact.path)}
+        return PeftModel.from_pretrained(base, artifact.path, torch_dtype=dtype).eval()
+    kwargs = {"dtype": dtype, "device_map": "cpu", **load_kwargs(artifact.path)}
     return AutoModelForCausalLM.from_pretrained(artifact.path, **kwargs).eval()
 
 

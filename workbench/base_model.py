@@ -1,6 +1,7 @@
 """What a recipe's `base` names, and how it becomes the first artifact of every variant.
 
-`demo` / `demo-tiny` are the built-in offline models; an existing directory (absolute, or relative
+`demo` / `demo-tiny` are the built-in offline models; `smollm2-135m` (and any `.gguf` file) is a
+GGUF model converted once into the cache (`workbench.gguf_base`); an existing directory (absolute, or relative
 to the recipe file, or to the working dir) is a local HF model; `org/name` is a hub id, fetched
 through the HF cache (offline use needs it cached, and `HF_HUB_OFFLINE=1` then avoids the network).
 """
@@ -18,24 +19,37 @@ from compress.artifact import Artifact
 from workbench.content_hash import sha256_cached
 from workbench.demo.cache import demo_model_dir, ensure_demo_model, spec_hash
 from workbench.demo.train import SPECS
+from workbench.gguf_base import (
+    CONVERT_VERSION,
+    GGUF_INFO,
+    NAMED_GGUF,
+    ensure_gguf_model,
+    gguf_model_dir,
+    gguf_sha256,
+    named_gguf_path,
+)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclass(frozen=True)
 class BaseRef:
-    kind: Literal["demo", "local", "hub"]
+    kind: Literal["demo", "gguf", "local", "hub"]
     name: str
-    """Demo spec name, resolved absolute path, or hub id."""
+    """Demo spec name, resolved absolute path (of a model dir or a GGUF file), or hub id."""
 
 
 def resolve_base(value: str, recipe_dir: Path) -> BaseRef:
     """Classify `value`; raise ValueError (naming what is allowed) when it names nothing."""
     if value in SPECS:
         return BaseRef("demo", value)
+    if value in NAMED_GGUF:
+        return BaseRef("gguf", str(named_gguf_path(value)))
     candidate = Path(value).expanduser()
     for root in [recipe_dir, Path.cwd()]:
         path = (root / candidate).resolve()  # an absolute candidate ignores root
+        if path.is_file() and path.suffix == ".gguf":
+            return BaseRef("gguf", str(path))
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise ValueError(
@@ -45,10 +59,11 @@ def resolve_base(value: str, recipe_dir: Path) -> BaseRef:
             return BaseRef("local", str(path))
     if _HUB_ID.match(value) and not value.startswith((".", "/", "~")):
         return BaseRef("hub", value)
-    allowed = ", ".join(SPECS)
+    allowed = ", ".join([*SPECS, *NAMED_GGUF])
     raise ValueError(
         f"found {value!r}: no such directory (looked relative to {recipe_dir} and the working "
-        f"dir); allowed: {allowed}, an existing local model dir, or a hub id 'org/name'"
+        f"dir); allowed: {allowed}, an existing local model dir or .gguf file, or a hub id "
+        "'org/name'"
     )
 
 
@@ -57,6 +72,8 @@ def base_fingerprint(ref: BaseRef) -> str:
     local base is identified by the sha256 of every file (cached by path, size and mtime)."""
     if ref.kind == "demo":
         payload = f"demo:{ref.name}:{spec_hash(SPECS[ref.name])}"
+    elif ref.kind == "gguf":
+        payload = f"gguf:{gguf_sha256(Path(ref.name))}:{CONVERT_VERSION}"
     elif ref.kind == "hub":
         payload = f"hub:{ref.name}:{Path(_hub_snapshot(ref.name)).name}"
     else:
@@ -85,6 +102,9 @@ def base_dir_if_present(ref: BaseRef) -> Path | None:
     if ref.kind == "demo":
         path = demo_model_dir(ref.name)
         return path if path.is_dir() else None
+    if ref.kind == "gguf":
+        path = gguf_model_dir(Path(ref.name))
+        return path if (path / GGUF_INFO).is_file() else None
     if ref.kind == "local":
         return Path(ref.name)
     from huggingface_hub import snapshot_download
@@ -99,9 +119,23 @@ def base_artifact(ref: BaseRef) -> Artifact:
     """The base as an artifact dir, building the demo model or fetching the hub snapshot."""
     if ref.kind == "demo":
         return Artifact(ensure_demo_model(ref.name))
+    if ref.kind == "gguf":
+        return Artifact(ensure_gguf_model(Path(ref.name)))
     if ref.kind == "hub":
         return Artifact(Path(_hub_snapshot(ref.name)))
     return Artifact(Path(ref.name))
+
+
+def named_model_dir(value: str) -> Path | None:
+    """The model dir behind a built-in name (`demo`, `smollm2-135m`) or a `.gguf` file, built or
+    converted on first use; None when `value` is neither (a model dir or hub id)."""
+    if value in SPECS:
+        return ensure_demo_model(value)
+    if value in NAMED_GGUF:
+        return ensure_gguf_model(named_gguf_path(value))
+    if value.endswith(".gguf") and Path(value).expanduser().is_file():
+        return ensure_gguf_model(Path(value).expanduser().resolve())
+    return None
 
 
 __all__ = [
@@ -110,5 +144,6 @@ __all__ = [
     "base_dir_if_present",
     "base_fingerprint",
     "demo_model_dir",
+    "named_model_dir",
     "resolve_base",
 ]

@@ -177,23 +177,25 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from serve.server_cli import run_server
-    from workbench.demo import SPECS, ensure_demo_model
+    from workbench.base_model import named_model_dir
 
-    if args.model in SPECS:
+    model_dir = named_model_dir(args.model)
+    if model_dir is not None:
         if not args.served_model_name:
-            args.served_model_name = args.model
-        args.model = str(ensure_demo_model(args.model, console))
+            args.served_model_name = Path(args.model).stem
+        args.model = str(model_dir)
     return run_server(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from evals.load_cli import print_summary, run_bench
-    from workbench.demo import SPECS, ensure_demo_model
+    from workbench.base_model import named_model_dir
 
     serve_flags = list(args.serve_flags)
-    if args.model in SPECS:
-        serve_flags += ["--served-model-name", args.model]
-        args.model = str(ensure_demo_model(args.model, console))
+    model_dir = named_model_dir(args.model) if args.model else None
+    if model_dir is not None:
+        serve_flags += ["--served-model-name", Path(args.model).stem]
+        args.model = str(model_dir)
     print_summary(run_bench(args, serve_flags))
     out.print(f"wrote {args.out}")
     return 0

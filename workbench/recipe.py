@@ -9,7 +9,7 @@ path, what was found and what is allowed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
@@ -81,12 +81,29 @@ class LoadEval(_Strict):
     """The server's running-request cap: above the ramp's top, so the KV cache is the limit."""
 
 
+class QualityTask(_Strict):
+    task: Slug
+    limit: PositiveInt | None = None
+    """Score a random subset of this many documents (of each subtask, for a group)."""
+    seed: int = 0
+    """Draws the subset."""
+    source: Literal["auto", "bundled", "hub"] = "auto"
+    """A standard task's data: the hub copy in the HF cache, or the bundled one (auto: the hub
+    copy when cached)."""
+
+
 class Evals(_Strict):
-    quality: list[Slug] = []
-    """lm-eval task names from `evals/tasks/` (see `evals.quality.available_tasks`)."""
+    quality: list[Slug | QualityTask] = []
+    """lm-eval tasks: ours from `evals/tasks/`, or lm-eval's standard ones by name (hellaswag,
+    piqa, arc_easy, mmlu_<subject>, ...); a name, or {task, limit, seed, source}."""
     max_length: PositiveInt | None = None
     """Longest context lm-eval scores (the rolling-perplexity window); default: the base's
     `max_position_embeddings`, at most 2048."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The float dtype quality is measured in (bfloat16 halves lm-eval's time on CPUs with
+    avx512_bf16; the KL and agreement metrics are in it too)."""
+    batch_size: PositiveInt = 16
+    """lm-eval's batch size."""
     server_check_docs: int = Field(default=8, ge=0)
     """Documents per task scored both in-process and through the server (0: no check)."""
     load: LoadEval | None = None
@@ -94,17 +111,39 @@ class Evals(_Strict):
 
     @field_validator("quality")
     @classmethod
-    def _known_tasks(cls, tasks: list[str]) -> list[str]:
-        from evals.quality import available_tasks
+    def _known_tasks(cls, tasks: list[str | QualityTask]) -> list[str | QualityTask]:
+        from evals.quality import TaskRequest, check_task
 
-        known = available_tasks()
-        unknown = [t for t in tasks if t not in known]
-        if unknown:
-            raise ValueError(
-                f"unknown lm-eval task(s) {', '.join(unknown)}; the tasks in evals/tasks/ "
-                f"are: {', '.join(known)}"
-            )
+        problems, seen = [], set()
+        for t in tasks:
+            spec = QualityTask(task=t) if isinstance(t, str) else t
+            if spec.task in seen:
+                problems.append(f"task {spec.task!r} is listed twice")
+            seen.add(spec.task)
+            try:
+                check_task(TaskRequest(spec.task, source=spec.source))
+            except ValueError as e:
+                problems.append(str(e))
+        if problems:
+            raise ValueError("; ".join(problems))
         return tasks
+
+    def task_requests(self) -> list[Any]:
+        """The quality tasks as `evals.quality.TaskRequest`s."""
+        from evals.quality import TaskRequest
+
+        specs = [QualityTask(task=t) if isinstance(t, str) else t for t in self.quality]
+        return [TaskRequest(s.task, s.limit, s.seed, s.source) for s in specs]
+
+    def quality_key(self) -> list[Any]:
+        """The quality settings as JSON values, for cache keys."""
+        tasks = [t if isinstance(t, str) else t.model_dump() for t in self.quality]
+        if self.dtype == "float32" and self.batch_size == 16:
+            return tasks  # the key of results measured before dtype and batch size existed
+        return [tasks, self.dtype, self.batch_size]
+
+    def task_names(self) -> list[str]:
+        return [t if isinstance(t, str) else t.task for t in self.quality]
 
 
 class ReportSettings(_Strict):

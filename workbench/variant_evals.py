@@ -80,13 +80,15 @@ def eval_max_length(recipe: Recipe, variant: VariantResult) -> int:
     )
 
 
-def _load_model(variant: VariantResult) -> tuple[Any, Any]:
+def _load_model(variant: VariantResult, dtype: str = "float32") -> tuple[Any, Any]:
+    import torch
     from transformers import AutoTokenizer
 
     from workbench.artifact_eval import load_for_eval
 
     artifact = artifact_from_manifest(variant.path)
-    return load_for_eval(artifact), AutoTokenizer.from_pretrained(variant.path)
+    model = load_for_eval(artifact, getattr(torch, dtype))
+    return model, AutoTokenizer.from_pretrained(variant.path)
 
 
 def measure_quality(recipe: Recipe, variant: VariantResult) -> dict[str, Any]:
@@ -95,13 +97,16 @@ def measure_quality(recipe: Recipe, variant: VariantResult) -> dict[str, Any]:
     from evals.quality import evaluate_model, summarize
 
     started = time.perf_counter()
-    model, tokenizer = _load_model(variant)
-    tasks = list(recipe.evals.quality)
+    evals = recipe.evals
+    model, tokenizer = _load_model(variant, evals.dtype)
     max_length = eval_max_length(recipe, variant)
-    results = evaluate_model(model, tokenizer, tasks, max_length)
+    results = evaluate_model(
+        model, tokenizer, evals.task_requests(), max_length, batch_size=evals.batch_size
+    )
     return {
-        "tasks": summarize(results, tasks),
+        "tasks": summarize(results, evals.task_names(), results["workbench_sources"]),
         "max_length": max_length,
+        "dtype": evals.dtype,
         "lm_eval_version": lm_eval_version,
         "seconds": round(time.perf_counter() - started, 2),
     }
@@ -110,7 +115,7 @@ def measure_quality(recipe: Recipe, variant: VariantResult) -> dict[str, Any]:
 def quality(
     recipe: Recipe, variant: VariantResult, work_dir: Path, force: bool
 ) -> tuple[dict[str, Any], bool]:
-    key = _key(variant.manifest["hash"], recipe.evals.quality, recipe.evals.max_length)
+    key = _key(variant.manifest["hash"], recipe.evals.quality_key(), recipe.evals.max_length)
     path = work_dir / "evals" / variant.name / "quality.json"
     return cached(path, key, force, lambda: measure_quality(recipe, variant))
 
@@ -277,7 +282,7 @@ def _server_check(
     docs = recipe.evals.server_check_docs
     if not recipe.evals.quality or docs == 0:
         return None
-    key = _key(variant.manifest["hash"], recipe.evals.quality, recipe.evals.max_length, docs)
+    key = _key(variant.manifest["hash"], recipe.evals.quality_key(), recipe.evals.max_length, docs)
     path = work_dir / "evals" / variant.name / "server_check.json"
     stored = None if force else lookup(path, key)
     if stored is not None:
@@ -287,7 +292,7 @@ def _server_check(
 
     def check(url: str, name: str) -> None:
         model, tokenizer = _load_model(variant)
-        tasks, max_length = list(recipe.evals.quality), eval_max_length(recipe, variant)
+        tasks, max_length = recipe.evals.task_requests(), eval_max_length(recipe, variant)
         result = check_server(
             url, name, model, tokenizer, str(variant.path), tasks, max_length, docs
         )

@@ -80,3 +80,9 @@ def shop_colours(**_: Any) -> dict[str, Dataset]:
     """Multiple choice: each shop item's colour among all eight colours (the shifted domain's
     facts; the base model cannot know them, an adapter trained on the shop log can)."""
     return _split(colour_questions())
+
+
+def boolq_label_from_answer(dataset: Dataset) -> Dataset:
+    """The bundled BoolQ (google/boolq) has a boolean `answer`; lm-eval's task reads super_glue's
+    integer `label` (0: no, 1: yes)."""
+    return dataset.map(lambda doc: {"label": int(doc["answer"])})

@@ -56,12 +56,12 @@ def test_compare_flags_a_difference_beyond_tolerance() -> None:
     )
     same = copy.deepcopy(local)
     same["samples"]["corpus_ppl"][1]["filtered_resps"] = [-2000.0 + ABS_TOL / 2]
-    assert compare(local, same, ["corpus_ppl", "corpus_cloze"])["ok"] is True
+    assert compare(local, same)["ok"] is True
     off = copy.deepcopy(local)
     off["samples"]["corpus_ppl"][0]["filtered_resps"] = [-100.0 - 3 * ABS_TOL]
-    report = compare(local, off, ["corpus_ppl", "corpus_cloze"])
+    report = compare(local, off)
     assert report["ok"] is False and report["tasks"]["corpus_cloze"]["ok"] is True
     assert report["tasks"]["corpus_ppl"]["max_abs_diff"] == pytest.approx(3 * ABS_TOL)
     greedy = copy.deepcopy(local)
     greedy["samples"]["corpus_cloze"][0]["filtered_resps"] = [(-5.0, True), (-3.0, True)]
-    assert compare(local, greedy, ["corpus_cloze"])["ok"] is False
+    assert compare(local, greedy)["ok"] is False

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from evals.quality import evaluate_model, summarize
+from evals.quality import TaskRequest, evaluate_model, summarize
 from reports.report import fmt
 from tests.reports.conftest import Run, workbench_run
 from workbench.demo import ensure_demo_model
@@ -44,7 +44,8 @@ def test_quality_comes_from_lm_eval_over_the_local_tasks(small_run: Run) -> None
     path = ensure_demo_model("demo-tiny")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    here = summarize(evaluate_model(model, tok, ["corpus_ppl", "corpus_cloze"], 64), TASKS[:2])
+    requests = [TaskRequest("corpus_ppl"), TaskRequest("corpus_cloze")]
+    here = summarize(evaluate_model(model, tok, requests, 64), TASKS[:2])
     base = report["variants"][0]["quality"]["tasks"]
     assert here["corpus_ppl"]["word_perplexity"] == pytest.approx(
         base["corpus_ppl"]["word_perplexity"], rel=1e-6

