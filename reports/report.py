@@ -58,6 +58,7 @@ def build_report(
     load: dict[str, dict[str, Any]],
     server_check: dict[str, Any] | None,
     reused: list[str],
+    answers: dict[str, list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """`manifests` in recipe order: {variant: manifest}; the rest keyed by variant name."""
     tasks = recipe.evals.task_names()
@@ -83,6 +84,7 @@ def build_report(
             for (name, m), row in zip(manifests.items(), rows, strict=True)
         ],
         "server_check": server_check,
+        "answers": answers or {},
         "reused": reused,
     }
     key, lower = quality_axis(report)
@@ -114,6 +116,27 @@ def fmt(value: Any, kind: str) -> str:
     return str(value)
 
 
+def cell(row: dict[str, Any], col: dict[str, Any]) -> str:
+    """A table cell: the value, and ± its standard error where the column has one."""
+    text = fmt(row.get(col["key"]), col["format"])
+    stderr = row.get(col["stderr_key"]) if "stderr_key" in col else None
+    if stderr is None or row.get(col["key"]) is None:
+        return text
+    if col["format"] == "pct":
+        return f"{text} ± {100 * stderr:.1f}"
+    return f"{text} ± {fmt(stderr, col['format'])}"
+
+
+def answer_table(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """[(prompt, [(variant, answer)])]: every variant's greedy answer to each chat prompt."""
+    answers = report.get("answers") or {}
+    names = [v["name"] for v in report["variants"] if v["name"] in answers]
+    if not names:
+        return []
+    prompts = [a["prompt"] for a in answers[names[0]]]
+    return [(p, [(n, answers[n][i]["answer"]) for n in names]) for i, p in enumerate(prompts)]
+
+
 def markdown(report: dict[str, Any]) -> str:
     cols = report["columns"]
     lines = [f"# {report['title']}", ""]
@@ -126,9 +149,7 @@ def markdown(report: dict[str, Any]) -> str:
         "|" + "|".join("---" if c["format"] == "text" else "---:" for c in cols) + "|",
     ]
     for v in report["variants"]:
-        lines.append(
-            "| " + " | ".join(fmt(v["row"].get(c["key"]), c["format"]) for c in cols) + " |"
-        )
+        lines.append("| " + " | ".join(cell(v["row"], c) for c in cols) + " |")
     lines += ["", f"Pareto front (weight memory vs {report['quality_axis']['key']}): "
               f"{', '.join(report['pareto_front']) or '–'}.", ""]  # fmt: skip
     for v in report["variants"]:
@@ -149,6 +170,9 @@ def markdown(report: dict[str, Any]) -> str:
                 f"- {task}: {t['requests']} requests, max |Δ| {t['max_abs_diff']:.2e} nats "
                 f"(relative {t['max_rel_diff']:.1e})"
             )
+    for prompt, rows in answer_table(report):
+        lines += ["", f"### {prompt}", ""]
+        lines += [f"- **{name}**: {' '.join(answer.split())}" for name, answer in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -156,20 +180,37 @@ def html_table(report: dict[str, Any]) -> str:
     cols = report["columns"]
     head = "".join(f"<th>{html.escape(c['label'])}</th>" for c in cols)
     body = "".join(
-        "<tr>"
-        + "".join(f"<td>{html.escape(fmt(v['row'].get(c['key']), c['format']))}</td>" for c in cols)
-        + "</tr>"
+        "<tr>" + "".join(f"<td>{html.escape(cell(v['row'], c))}</td>" for c in cols) + "</tr>"
         for v in report["variants"]
     )
     table = f"<table id='variants'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-    return f"<div style='overflow-x:auto'>{table}</div>"
+    return f"<div style='overflow-x:auto'>{table}</div>{html_answers(report)}"
+
+
+def html_answers(report: dict[str, Any]) -> str:
+    """Greedy chat answers side by side: one row per prompt, one column per variant."""
+    rows = answer_table(report)
+    if not rows:
+        return ""
+    head = "".join(f"<th>{html.escape(n)}</th>" for n, _ in rows[0][1])
+    body = "".join(
+        f"<tr><td>{html.escape(p)}</td>"
+        + "".join(f"<td class='answer'>{html.escape(a)}</td>" for _, a in answers)
+        + "</tr>"
+        for p, answers in rows
+    )
+    return (
+        "<h2>Greedy chat answers</h2><div style='overflow-x:auto'><table id='answers'>"
+        f"<thead><tr><th>prompt</th>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+    )
 
 
 PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>{title}</title>
 <script src="plotly.min.js"></script>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;font-size:13px}}
-td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}} td:first-child{{text-align:left}}</style>
+td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}} td:first-child{{text-align:left}}
+td.answer{{text-align:left;vertical-align:top;white-space:pre-wrap;min-width:14em}}</style>
 </head><body><h1>{title}</h1><p>{subtitle}</p>{table}{plots}
 <p>All figures: <a href="report.json">report.json</a>; table: <a href="report.md">report.md</a>.</p>
 </body></html>

@@ -93,10 +93,57 @@ def variant_row(
         top = headline(metrics)
         if top:
             row[task] = top[1]
+            row[f"{task}_stderr"] = metrics.get(f"{top[0]}_stderr")
         if "bits_per_byte" in metrics:
             row[f"{task}_bits_per_byte"] = metrics["bits_per_byte"]
+    div = (quality or {}).get("divergence") or {}
+    for data, stats in div.get("data", {}).items():
+        row[f"kl_{data}"], row[f"kl_{data}_stderr"] = stats["kl_mean"], stats["kl_stderr"]
+        row[f"agree_{data}"] = stats["top1_agreement"]
+        row[f"agree_{data}_stderr"] = stats["top1_agreement_stderr"]
     row.update(load_columns(load))
     return row
+
+
+def task_label(task: str, quality: dict[str, Any], lower: bool) -> str:
+    """`task (acc, n=100, validation split)`: n and split of the first variant that has them."""
+    for results in quality.values():
+        metrics = (results or {}).get("tasks", {}).get(task)
+        if metrics:
+            parts = ["word ppl" if lower else "acc", f"n={metrics['samples']:.0f}"]
+            if "split" in metrics:
+                parts.append(f"{metrics['split']} split")
+            return f"{task} ({', '.join(parts)})"
+    return task
+
+
+def divergence_columns(quality: dict[str, Any]) -> list[dict[str, Any]]:
+    """KL and top-1 agreement against the reference variant, per data set."""
+    for results in quality.values():
+        div = (results or {}).get("divergence")
+        if div:
+            ref, cols = div["reference"], []
+            for data in div["data"]:
+                cols.append(
+                    {
+                        "key": f"kl_{data}",
+                        "label": f"KL vs {ref} ({data}, nats)",
+                        "format": "float",
+                        "better": "lower",
+                        "stderr_key": f"kl_{data}_stderr",
+                    }
+                )
+                cols.append(
+                    {
+                        "key": f"agree_{data}",
+                        "label": f"top-1 agreement ({data})",
+                        "format": "pct",
+                        "better": "higher",
+                        "stderr_key": f"agree_{data}_stderr",
+                    }
+                )
+            return cols
+    return []
 
 
 def add_recovery(rows: list[dict[str, Any]], tasks: list[str], quality: dict[str, Any]) -> None:
@@ -154,15 +201,15 @@ def columns(tasks: list[str], quality: dict[str, Any], load_settings: dict | Non
         if metric is None:
             continue
         lower = lower_is_better(metric)
-        label = f"{task} ({'word ppl' if lower else 'acc'})"
-        cols.append(
-            {
-                "key": task,
-                "label": label,
-                "format": "float" if lower else "pct",
-                "better": "lower" if lower else "higher",
-            }
-        )
+        column = {
+            "key": task,
+            "label": task_label(task, quality, lower),
+            "format": "float" if lower else "pct",
+            "better": "lower" if lower else "higher",
+        }
+        if not lower:
+            column["stderr_key"] = f"{task}_stderr"
+        cols.append(column)
         cols.append(
             {
                 "key": f"recovery_{task}",
@@ -171,6 +218,7 @@ def columns(tasks: list[str], quality: dict[str, Any], load_settings: dict | Non
                 "better": "higher",
             }
         )
+    cols += divergence_columns(quality)
     if load_settings:
         cols += [
             {

@@ -129,6 +129,7 @@ def _report(
         measured.load,
         measured.server_check,
         measured.reused,
+        measured.answers,
     )
     write_report(report, report_dir)
     out.print(_report_table(report))

@@ -23,6 +23,7 @@ from pydantic import (
     ValidationInfo,
     create_model,
     field_validator,
+    model_validator,
 )
 
 from compress import STEPS, StepParams
@@ -92,6 +93,27 @@ class QualityTask(_Strict):
     copy when cached)."""
 
 
+class DivergenceEval(_Strict):
+    reference: Slug = "base"
+    """The variant every other one is compared with (KL, top-1 agreement)."""
+    data: list[str] = Field(default=["corpus"], min_length=1)
+    """Named data sets whose validation split is scored (corpus, shakespeare, ...)."""
+    windows: PositiveInt = 32
+    """Windows scored per data set."""
+    seq_len: PositiveInt = 128
+    """Tokens per window."""
+
+    @field_validator("data")
+    @classmethod
+    def _known_data(cls, names: list[str]) -> list[str]:
+        from compress.data import NAMED_DATA
+
+        unknown = [n for n in names if n not in NAMED_DATA]
+        if unknown:
+            raise ValueError(f"unknown data set(s) {unknown}; allowed: {', '.join(NAMED_DATA)}")
+        return names
+
+
 class Evals(_Strict):
     quality: list[Slug | QualityTask] = []
     """lm-eval tasks: ours from `evals/tasks/`, or lm-eval's standard ones by name (hellaswag,
@@ -104,6 +126,11 @@ class Evals(_Strict):
     avx512_bf16; the KL and agreement metrics are in it too)."""
     batch_size: PositiveInt = 16
     """lm-eval's batch size."""
+    divergence: DivergenceEval | None = None
+    """KL divergence and top-1 agreement of each variant against a reference variant."""
+    chat_prompts: list[str] = []
+    """User messages every variant answers greedily through its server (shown side by side)."""
+    chat_max_tokens: PositiveInt = 48
     server_check_docs: int = Field(default=8, ge=0)
     """Documents per task scored both in-process and through the server (0: no check)."""
     load: LoadEval | None = None
@@ -178,6 +205,17 @@ class Recipe(_Strict):
     def _base_exists(cls, value: str, info: ValidationInfo) -> str:
         resolve_base(value, (info.context or {}).get("recipe_dir", Path.cwd()))
         return value
+
+    @model_validator(mode="after")
+    def _divergence_reference_exists(self) -> Recipe:
+        div = self.evals.divergence
+        names = [v.name for v in self.variants]
+        if div is not None and div.reference not in names:
+            raise ValueError(
+                f"evals.divergence.reference: found {div.reference!r}; allowed: a variant "
+                f"name ({', '.join(names)})"
+            )
+        return self
 
     @field_validator("variants")
     @classmethod

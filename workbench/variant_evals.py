@@ -120,6 +120,48 @@ def quality(
     return cached(path, key, force, lambda: measure_quality(recipe, variant))
 
 
+def measure_divergence(
+    recipe: Recipe, variant: VariantResult, reference: VariantResult
+) -> dict[str, Any]:
+    """{data set: KL / agreement / perplexity stats} of `variant` against `reference`."""
+    from compress.data import load_texts, token_rows
+    from evals.divergence import divergence
+
+    settings = recipe.evals.divergence
+    assert settings is not None
+    started = time.perf_counter()
+    model, tokenizer = _load_model(variant, recipe.evals.dtype)
+    ref_model, _ = _load_model(reference, recipe.evals.dtype)
+    out: dict[str, Any] = {"reference": reference.name, "dtype": recipe.evals.dtype, "data": {}}
+    for name in settings.data:
+        rows = token_rows(tokenizer, load_texts(name, "validation"), settings.seq_len)
+        out["data"][name] = divergence(ref_model, model, rows[: settings.windows])
+    out["seconds"] = round(time.perf_counter() - started, 2)
+    return out
+
+
+def divergence_result(
+    recipe: Recipe,
+    variant: VariantResult,
+    results: list[VariantResult],
+    work_dir: Path,
+    force: bool,
+) -> tuple[dict[str, Any] | None, bool]:
+    """(stats against the recipe's reference variant, reused); None for the reference itself."""
+    settings = recipe.evals.divergence
+    if settings is None or variant.name == settings.reference:
+        return None, False
+    reference = next(r for r in results if r.name == settings.reference)
+    key = _key(
+        variant.manifest["hash"],
+        reference.manifest["hash"],
+        settings.model_dump(mode="json"),
+        recipe.evals.dtype,
+    )
+    path = work_dir / "evals" / variant.name / "divergence.json"
+    return cached(path, key, force, lambda: measure_divergence(recipe, variant, reference))
+
+
 @dataclass
 class ServerSession:
     """One server: a model variant (or an adapter's base that is no variant) and the adapters
@@ -217,9 +259,11 @@ def run_session(
     work_dir: Path,
     force: bool,
     check: Callable[[str, str], None] | None = None,
+    answers: dict[str, list[dict[str, Any]]] | None = None,
 ) -> dict[str, tuple[dict[str, Any], bool]]:
     """Load results of the session's variants, {name: (result, reused)}; starts the server only
-    when something must be measured. `check(url, served name)` runs once the server is up."""
+    when something must be measured. `check(url, served name)` runs once the server is up; each
+    variant's chat answers (the recipe's `chat_prompts`) go into `answers`."""
     from evals.load_cli import served
 
     load = recipe.evals.load
@@ -227,14 +271,18 @@ def run_session(
     members = ([session.model_variant] if session.model_variant else []) + session.adapters
     paths = {m.name: work_dir / "evals" / m.name / "load.json" for m in members}
     out: dict[str, tuple[dict[str, Any], bool]] = {}
-    pending = []
+    pending, chats = [], {}
     for m in members:
         stored = None if force else lookup(paths[m.name], load_key(load, m))
         if stored is not None:
             out[m.name] = (stored, True)
         else:
             pending.append(m)
-    if not pending and check is None:
+        chats[m.name] = _stored_answers(recipe, m, work_dir, force)
+        if answers is not None and chats[m.name] is not None:
+            answers[m.name] = chats[m.name]
+    asked = [m for m in members if chats[m.name] is None and recipe.evals.chat_prompts]
+    if not pending and not asked and check is None:
         return out
     if session.model_variant is not None:
         name, log_name = session.model_variant.name, session.model_variant.name
@@ -245,7 +293,7 @@ def run_session(
     with served(str(session.model_path), flags, log) as url:
         if check is not None:
             check(url, name)
-        for m in pending:
+        for m in [m for m in members if m in pending or m in asked]:
             is_adapter = m is not session.model_variant
             if is_adapter:
                 _post(
@@ -253,15 +301,42 @@ def run_session(
                     "/v1/load_lora_adapter",
                     {"lora_name": m.name, "lora_path": str(m.path.resolve())},
                 )
-            result = _sweep(url, load, m.name)
-            if is_adapter:  # proof that the hot-loaded adapter, not the base, ran the requests
-                result["adapter_requests"] = adapter_requests(url, m.name)
-            store(paths[m.name], load_key(load, m), result)
-            out[m.name] = (result, False)
+            if m in asked:
+                chat = _ask(recipe, url, m, work_dir)
+                if answers is not None:
+                    answers[m.name] = chat
+            if m in pending:
+                result = _sweep(url, load, m.name)
+                if is_adapter:  # proof that the hot-loaded adapter, not the base, ran them
+                    result["adapter_requests"] = adapter_requests(url, m.name)
+                store(paths[m.name], load_key(load, m), result)
+                out[m.name] = (result, False)
             if is_adapter:
                 with contextlib.suppress(RuntimeError):
                     _post(url, "/v1/unload_lora_adapter", {"lora_name": m.name})
     return out
+
+
+def _answers_key(recipe: Recipe, variant: VariantResult) -> str:
+    return _key(variant.manifest["hash"], recipe.evals.chat_prompts, recipe.evals.chat_max_tokens)
+
+
+def _stored_answers(
+    recipe: Recipe, variant: VariantResult, work_dir: Path, force: bool
+) -> list[dict[str, Any]] | None:
+    path = work_dir / "evals" / variant.name / "answers.json"
+    stored = None if force else lookup(path, _answers_key(recipe, variant))
+    return stored["answers"] if stored is not None else None
+
+
+def _ask(recipe: Recipe, url: str, variant: VariantResult, work_dir: Path) -> list[dict[str, Any]]:
+    from evals.chat_answers import chat_answers
+
+    evals = recipe.evals
+    chat = chat_answers(url, variant.name, evals.chat_prompts, evals.chat_max_tokens)
+    path = work_dir / "evals" / variant.name / "answers.json"
+    store(path, _answers_key(recipe, variant), {"answers": chat})
+    return chat
 
 
 @dataclass
@@ -269,6 +344,8 @@ class Measurements:
     quality: dict[str, dict[str, Any]] = field(default_factory=dict)
     load: dict[str, dict[str, Any]] = field(default_factory=dict)
     server_check: dict[str, Any] | None = None
+    answers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """{variant: greedy chat answers}, in the recipe's prompt order."""
     reused: list[str] = field(default_factory=list)
     """`variant/quality` or `variant/load` for every result taken from an earlier run."""
 
@@ -317,6 +394,12 @@ def measure_variants(
             progress(f"quality {r.name}: {'reused' if reused else 'measured'}")
             if reused:
                 out.reused.append(f"{r.name}/quality")
+        div, reused = divergence_result(recipe, r, results, work_dir, force)
+        if div is not None:
+            out.quality[r.name] = {**out.quality.get(r.name, {}), "divergence": div}
+            progress(f"divergence {r.name}: {'reused' if reused else 'measured'}")
+            if reused:
+                out.reused.append(f"{r.name}/divergence")
     if recipe.evals.load is None:
         return out
     checked = False
@@ -325,7 +408,8 @@ def measure_variants(
         if session.model_variant is not None and not checked:
             check = _server_check(recipe, session.model_variant, work_dir, force, out)
             checked = True
-        for name, (result, reused) in run_session(recipe, session, work_dir, force, check).items():
+        sessions = run_session(recipe, session, work_dir, force, check, out.answers)
+        for name, (result, reused) in sessions.items():
             out.load[name] = result
             progress(f"load {name}: {'reused' if reused else 'measured'}")
             if reused:

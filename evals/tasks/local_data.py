@@ -39,6 +39,12 @@ def shift_documents(**_: Any) -> dict[str, Dataset]:
     return _split([{"text": t} for t in load_texts("shift", "validation")])
 
 
+def shakespeare_documents(**_: Any) -> dict[str, Dataset]:
+    """Held-out plays' documents (the shakespeare data set's test split: plays no step trains
+    or validates on)."""
+    return _split([{"text": t} for t in load_texts("shakespeare", "test")])
+
+
 def _key(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from evals.quality import TaskRequest, evaluate_model, summarize
-from reports.report import fmt
+from reports.report import cell
 from tests.reports.conftest import Run, workbench_run
 from workbench.demo import ensure_demo_model
 
@@ -126,8 +126,13 @@ def test_markdown_and_html(small_run: Run) -> None:
     header = "| " + " | ".join(c["label"] for c in report["columns"]) + " |"
     assert header in md
     for v in report["variants"]:
-        cells = [fmt(v["row"].get(c["key"]), c["format"]) for c in report["columns"]]
+        cells = [cell(v["row"], c) for c in report["columns"]]
         assert "| " + " | ".join(cells) + " |" in md
+        for c in report["columns"]:
+            if c["format"] == "pct" and c["key"] in TASKS:  # accuracy ± its standard error
+                stderr = v["row"][f"{c['key']}_stderr"]
+                assert f"{100 * v['row'][c['key']]:.1f}% ± {100 * stderr:.1f}" in cells
+                assert c["label"].startswith(f"{c['key']} (acc, n=")
     page = (small_run.report_dir / "index.html").read_text()
     for plot in ("quality", "throughput", "latency", "kv"):
         assert f'id="plot-{plot}"' in page

