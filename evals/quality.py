@@ -187,7 +187,7 @@ def run_tasks(
                 records.append(leaf_where)
             if leaves != [t.name]:
                 standard_tasks.write_group_yaml(t.name, Path(tmp))
-                records.append(TaskSource(t.name, where.source, where.split, where.path))
+                records.append(where)
         manager = task_manager(Path(tmp))
         samples = _subsets(tasks, manager) if limit is None else {}
         results = simple_evaluate(

