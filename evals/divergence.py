@@ -1,7 +1,10 @@
 """How far a variant's next-token distributions are from a reference model's (llama.cpp's
-quantization measures): mean KL divergence, top-1 agreement, and both perplexities.
+quantization measures): mean KL divergence, top-1 agreement, and both models' perplexity and bits
+per byte.
 
-Model: both models score the same windows of held-out text in lockstep (no logits are stored).
+Model: both models score the same windows of held-out text in lockstep (no logits are stored);
+the reference scored against itself gives its own perplexity and bits per byte (KL 0, agreement
+1) with one forward per window.
 Per token t: KL(P_ref(.|x<t) || P_var(.|x<t)) in nats, and whether the two argmaxes agree. Means
 are over every scored token; their standard errors are over windows (tokens of one window are
 correlated, windows are nearly independent), so they are honest about the sample size.
@@ -20,7 +23,10 @@ def _window_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per token (batch, seq - 1): KL, agreement, and both models' NLL of the next token."""
     ref = torch.log_softmax(reference(input_ids=batch).logits[:, :-1].float(), dim=-1)
-    var = torch.log_softmax(model(input_ids=batch).logits[:, :-1].float(), dim=-1)
+    if model is reference:
+        var = ref
+    else:
+        var = torch.log_softmax(model(input_ids=batch).logits[:, :-1].float(), dim=-1)
     kl = (ref.exp() * (ref - var)).sum(-1).clamp_min(0.0)  # rounding can give -1e-9
     agree = (ref.argmax(-1) == var.argmax(-1)).float()
     target = batch[:, 1:].unsqueeze(-1)
@@ -36,10 +42,15 @@ def _mean_and_stderr(per_window: torch.Tensor) -> tuple[float, float]:
 
 @torch.no_grad()
 def divergence(
-    reference: torch.nn.Module, model: torch.nn.Module, rows: torch.Tensor, batch_size: int = 8
+    reference: torch.nn.Module,
+    model: torch.nn.Module,
+    rows: torch.Tensor,
+    target_bytes: int,
+    batch_size: int = 8,
 ) -> dict[str, Any]:
-    """KL, agreement and perplexities of `model` against `reference` over `rows` (windows of
-    token ids, each scored on its own)."""
+    """KL, agreement, perplexities and bits per byte of `model` against `reference` over `rows`
+    (windows of token ids, each scored on its own; `target_bytes`: UTF-8 bytes of every
+    window's tokens after the first, the text the NLL is paid for)."""
     reference.eval()
     model.eval()
     device = next(model.parameters()).device
@@ -59,6 +70,8 @@ def divergence(
         "top1_agreement_stderr": agree_stderr,
         "perplexity": math.exp(var_nll.mean().item()),
         "reference_perplexity": math.exp(ref_nll.mean().item()),
+        "bits_per_byte": var_nll.sum().item() / math.log(2) / target_bytes,
+        "reference_bits_per_byte": ref_nll.sum().item() / math.log(2) / target_bytes,
         "windows": len(rows),
         "tokens": flat.numel(),
     }

@@ -29,13 +29,16 @@ SCHEMA = 1
 
 
 def quality_axis(report: dict[str, Any]) -> tuple[str | None, bool]:
-    """The table key the quality plot and Pareto front use: the first perplexity task, else
-    the first task."""
+    """The table key the quality plot and Pareto front use: the first perplexity task, else the
+    first data set's bits per byte from the divergence measurement, else the first task."""
     quality = {v["name"]: v["quality"] for v in report["variants"]}
     measured = {t: m for t in report["settings"]["quality_tasks"] if (m := task_metric(quality, t))}
     for task, metric in measured.items():
         if lower_is_better(metric):
             return task, True
+    bpb = [c["key"] for c in report["columns"] if c["key"].startswith("bpb_")]
+    if bpb:
+        return bpb[0], True
     return (next(iter(measured)), False) if measured else (None, True)
 
 

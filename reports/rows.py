@@ -98,6 +98,7 @@ def variant_row(
             row[f"{task}_bits_per_byte"] = metrics["bits_per_byte"]
     div = (quality or {}).get("divergence") or {}
     for data, stats in div.get("data", {}).items():
+        row[f"ppl_{data}"], row[f"bpb_{data}"] = stats["perplexity"], stats["bits_per_byte"]
         row[f"kl_{data}"], row[f"kl_{data}_stderr"] = stats["kl_mean"], stats["kl_stderr"]
         row[f"agree_{data}"] = stats["top1_agreement"]
         row[f"agree_{data}_stderr"] = stats["top1_agreement_stderr"]
@@ -118,12 +119,29 @@ def task_label(task: str, quality: dict[str, Any], lower: bool) -> str:
 
 
 def divergence_columns(quality: dict[str, Any]) -> list[dict[str, Any]]:
-    """KL and top-1 agreement against the reference variant, per data set."""
+    """Token perplexity, bits per byte, KL and top-1 agreement against the reference variant, per
+    data set."""
     for results in quality.values():
         div = (results or {}).get("divergence")
         if div:
             ref, cols = div["reference"], []
             for data in div["data"]:
+                cols.append(
+                    {
+                        "key": f"ppl_{data}",
+                        "label": f"token ppl ({data})",
+                        "format": "float",
+                        "better": "lower",
+                    }
+                )
+                cols.append(
+                    {
+                        "key": f"bpb_{data}",
+                        "label": f"bits/byte ({data})",
+                        "format": "float",
+                        "better": "lower",
+                    }
+                )
                 cols.append(
                     {
                         "key": f"kl_{data}",

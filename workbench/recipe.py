@@ -102,6 +102,9 @@ class DivergenceEval(_Strict):
     """Windows scored per data set."""
     seq_len: PositiveInt = 128
     """Tokens per window."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Both models' float dtype (bfloat16 rounding alone moves KL and agreement: keep float32
+    when comparing quantizations)."""
 
     @field_validator("data")
     @classmethod
@@ -122,8 +125,7 @@ class Evals(_Strict):
     """Longest context lm-eval scores (the rolling-perplexity window); default: the base's
     `max_position_embeddings`, at most 2048."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """The float dtype quality is measured in (bfloat16 halves lm-eval's time on CPUs with
-    avx512_bf16; the KL and agreement metrics are in it too)."""
+    """The float dtype lm-eval scores in (bfloat16 halves its time on CPUs with avx512_bf16)."""
     batch_size: PositiveInt = 16
     """lm-eval's batch size."""
     divergence: DivergenceEval | None = None

@@ -130,12 +130,15 @@ def measure_divergence(
     settings = recipe.evals.divergence
     assert settings is not None
     started = time.perf_counter()
-    model, tokenizer = _load_model(variant, recipe.evals.dtype)
-    ref_model, _ = _load_model(reference, recipe.evals.dtype)
-    out: dict[str, Any] = {"reference": reference.name, "dtype": recipe.evals.dtype, "data": {}}
+    model, tokenizer = _load_model(variant, settings.dtype)
+    same = variant.name == reference.name
+    ref_model = model if same else _load_model(reference, settings.dtype)[0]
+    out: dict[str, Any] = {"reference": reference.name, "dtype": settings.dtype, "data": {}}
     for name in settings.data:
         rows = token_rows(tokenizer, load_texts(name, "validation"), settings.seq_len)
-        out["data"][name] = divergence(ref_model, model, rows[: settings.windows])
+        rows = rows[: settings.windows]
+        scored = sum(len(tokenizer.decode(r[1:]).encode()) for r in rows.tolist())
+        out["data"][name] = divergence(ref_model, model, rows, scored)
     out["seconds"] = round(time.perf_counter() - started, 2)
     return out
 
@@ -147,16 +150,16 @@ def divergence_result(
     work_dir: Path,
     force: bool,
 ) -> tuple[dict[str, Any] | None, bool]:
-    """(stats against the recipe's reference variant, reused); None for the reference itself."""
+    """(stats against the recipe's reference variant, reused); the reference against itself
+    gives its own perplexity and bits per byte."""
     settings = recipe.evals.divergence
-    if settings is None or variant.name == settings.reference:
+    if settings is None:
         return None, False
     reference = next(r for r in results if r.name == settings.reference)
     key = _key(
         variant.manifest["hash"],
         reference.manifest["hash"],
         settings.model_dump(mode="json"),
-        recipe.evals.dtype,
     )
     path = work_dir / "evals" / variant.name / "divergence.json"
     return cached(path, key, force, lambda: measure_divergence(recipe, variant, reference))

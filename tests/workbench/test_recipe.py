@@ -107,7 +107,7 @@ BAD = {
     "data not a known set": (
         "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{distill: {layers: 1, data: wiki}}]}]\n",
         "variants[0].steps[0].distill.data",
-        ["found 'wiki'", "named data set (corpus, shift)"],
+        ["found 'wiki'", "named data set (corpus, shift, shakespeare)"],
     ),
     "narrow student from teacher": (
         "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{distill: {layers: 1, hidden_size: 16}}]}]\n",
