@@ -207,6 +207,8 @@ def serve_flags(recipe: Recipe, session: ServerSession) -> list[str]:
     longest = max(load.prompt_len) + load.max_tokens
     if session.model_variant is not None and recipe.evals.quality:
         longest = max(longest, eval_max_length(recipe, session.model_variant) + 2)
+    if recipe.evals.chat_prompts:
+        longest = max(longest, _chat_length(recipe, session.model_path))
     flags += ["--max-model-len", str(longest)]
     if session.adapters:
         rank = max(_adapter_rank(a.path) for a in session.adapters)
@@ -214,6 +216,22 @@ def serve_flags(recipe: Recipe, session: ServerSession) -> list[str]:
         root = roots.pop() if len(roots) == 1 else Path(os.path.commonpath(roots))
         flags += ["--max-loras", "1", "--max-lora-rank", str(rank), "--lora-root", str(root)]
     return flags
+
+
+def _chat_length(recipe: Recipe, model_path: Path) -> int:
+    """Tokens the longest chat prompt (template applied) and its answer take."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    lengths = [
+        len(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+        )
+        for p in recipe.evals.chat_prompts
+    ]
+    return max(lengths) + recipe.evals.chat_max_tokens
 
 
 def load_key(load: LoadEval, variant: VariantResult) -> str:

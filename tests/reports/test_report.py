@@ -149,7 +149,7 @@ def test_rerun_reuses_variants_and_measurements(small_run: Run) -> None:
     output = workbench_run(small_run.root)
     assert "built 0 variant(s)" in output
     report = report_of(small_run)
-    expected = [f"{v}/{what}" for v in VARIANTS for what in ("quality", "load")]
+    expected = [f"{v}/{what}" for v in VARIANTS for what in ("quality", "divergence", "load")]
     assert sorted(report["reused"]) == sorted([*expected, "base/server_check"])
     assert _eval_files(small_run.root) == before
 
@@ -171,3 +171,38 @@ def test_force_builds_and_measures_again(small_run: Run, tmp_path: Path) -> None
     assert all(measured_after[k] != measured_before[k] for k in measured_after)
     stored = json.loads((root / "runs/small/evals/base/quality.json").read_text())
     assert stored["result"] == report["variants"][0]["quality"]
+
+
+def test_divergence_and_chat_answers_of_every_variant(small_run: Run) -> None:
+    report = report_of(small_run)
+    rows = {v["name"]: v["row"] for v in report["variants"]}
+    assert rows["base"]["kl_corpus"] == 0.0 and rows["base"]["agree_shift"] == 1.0
+    for name in ("int8", "shop-lora"):
+        assert rows[name]["kl_corpus"] > 0 and 0 < rows[name]["agree_corpus"] < 1
+    # the adapter moved the shop log's distribution more than int8 did
+    assert rows["shop-lora"]["kl_shift"] > rows["int8"]["kl_shift"]
+    base_ppl = report["variants"][0]["quality"]["divergence"]["data"]["corpus"]["perplexity"]
+    assert rows["base"]["ppl_corpus"] == base_ppl
+    for v in report["variants"][1:]:
+        stats = v["quality"]["divergence"]["data"]["corpus"]
+        assert stats["reference_perplexity"] == pytest.approx(base_ppl, rel=1e-6)
+    answers = report["answers"]
+    assert sorted(answers) == sorted(VARIANTS)
+    assert [a["prompt"] for a in answers["base"]] == ["Return the", "hi"]
+    # the base's answer over HTTP equals greedy generate on the chat template
+    path = ensure_demo_model("demo-tiny")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    out = model.generate(**ids, max_new_tokens=6, do_sample=False)
+    expected = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert answers["base"][1]["answer"] == expected
+    md = (small_run.report_dir / "report.md").read_text()
+    assert "### hi" in md and "KL vs base (corpus, nats)" in md
+    page = (small_run.report_dir / "index.html").read_text()
+    assert page.count("class='answer'") == 2 * len(VARIANTS)

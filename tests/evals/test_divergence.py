@@ -1,0 +1,41 @@
+"""KL divergence, top-1 agreement and bits per byte against a reference, checked by hand."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from evals.divergence import divergence
+
+
+def test_divergence_equals_a_direct_computation(tiny_model_dir: Path) -> None:
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p, generator=torch.Generator().manual_seed(0)))
+    rows = torch.randint(6, 500, (5, 24), generator=torch.Generator().manual_seed(1))
+    stats = divergence(ref, other, rows, target_bytes=400, batch_size=2)
+
+    with torch.no_grad():
+        p = torch.log_softmax(ref(input_ids=rows).logits[:, :-1], -1)
+        q = torch.log_softmax(other(input_ids=rows).logits[:, :-1], -1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    agree = (p.argmax(-1) == q.argmax(-1)).float()
+    nll_q = -q.gather(-1, rows[:, 1:, None])[..., 0]
+    assert stats["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-5)
+    assert stats["kl_stderr"] == pytest.approx(kl.mean(-1).std().item() / math.sqrt(5), rel=1e-4)
+    assert stats["top1_agreement"] == pytest.approx(agree.mean().item())
+    assert stats["perplexity"] == pytest.approx(math.exp(nll_q.mean().item()), rel=1e-5)
+    assert stats["bits_per_byte"] == pytest.approx(nll_q.sum().item() / math.log(2) / 400, rel=1e-5)
+    assert stats["tokens"] == 5 * 23 and stats["windows"] == 5
+    assert 0 < stats["kl_median"] <= stats["kl_p99"]
+
+    itself = divergence(ref, ref, rows, target_bytes=400)
+    assert itself["kl_mean"] == 0.0 and itself["top1_agreement"] == 1.0
+    assert itself["perplexity"] == pytest.approx(itself["reference_perplexity"])
+    assert itself["reference_perplexity"] == pytest.approx(stats["reference_perplexity"])
