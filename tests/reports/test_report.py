@@ -136,7 +136,8 @@ def test_markdown_and_html(small_run: Run) -> None:
     page = (small_run.report_dir / "index.html").read_text()
     for plot in ("quality", "throughput", "latency", "kv"):
         assert f'id="plot-{plot}"' in page
-    assert page.count("<tr>") == 1 + len(VARIANTS)
+    table = page[page.index("<table id='variants'>") : page.index("</table>")]
+    assert table.count("<tr>") == 1 + len(VARIANTS)
     assert (small_run.report_dir / "plotly.min.js").stat().st_size > 1_000_000
 
 
@@ -177,10 +178,10 @@ def test_divergence_and_chat_answers_of_every_variant(small_run: Run) -> None:
     report = report_of(small_run)
     rows = {v["name"]: v["row"] for v in report["variants"]}
     assert rows["base"]["kl_corpus"] == 0.0 and rows["base"]["agree_shift"] == 1.0
-    for name in ("int8", "shop-lora"):
-        assert rows[name]["kl_corpus"] > 0 and 0 < rows[name]["agree_corpus"] < 1
+    assert rows["int8"]["kl_corpus"] > 0 and rows["int8"]["agree_corpus"] > 0.9
     # the adapter moved the shop log's distribution more than int8 did
     assert rows["shop-lora"]["kl_shift"] > rows["int8"]["kl_shift"]
+    assert rows["shop-lora"]["agree_shift"] < 1
     base_ppl = report["variants"][0]["quality"]["divergence"]["data"]["corpus"]["perplexity"]
     assert rows["base"]["ppl_corpus"] == base_ppl
     for v in report["variants"][1:]:
