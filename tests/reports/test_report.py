@@ -106,7 +106,8 @@ def test_load_points_and_kv_saturation(small_run: Run) -> None:
             assert sat["measured_concurrency"] == first
             assert v["row"][f"saturation_p{p}"] == first
         if v["name"] == "shop-lora":  # hot-loaded on the base's server, ran every request
-            assert load["adapter_requests"] == sum(p["requests"] for p in load["points"])
+            chats = len(report["answers"]["shop-lora"])  # its chat answers, asked first
+            assert load["adapter_requests"] == sum(p["requests"] for p in load["points"]) + chats
         # 32 clients x 64 tokens need 4x the 512-token cache: the longer prompts must saturate
         assert load["saturation"]["48"]["measured_concurrency"] is not None
         assert v["row"]["p95_e2e_c16_p48"] == points[(16, 48)]["e2e"]["p95"]
@@ -160,7 +161,7 @@ def test_force_builds_and_measures_again(small_run: Run, tmp_path: Path) -> None
     shutil.copytree(small_run.root, root)
     before = json.loads((root / "runs/small/variants/base/workbench.json").read_text())
     measured_before = {k: v for k, v in _eval_files(root).items() if "/evals/base/" in k}
-    assert len(measured_before) == 3  # quality, load, server_check
+    assert len(measured_before) == 5  # quality, divergence, answers, load, server_check
     output = workbench_run(root, "--force", "--variant", "base")
     assert "built 1 variant(s) ['base']" in output
     report = report_of(Run(root, output))
@@ -171,7 +172,9 @@ def test_force_builds_and_measures_again(small_run: Run, tmp_path: Path) -> None
     assert measured_after.keys() == measured_before.keys()
     assert all(measured_after[k] != measured_before[k] for k in measured_after)
     stored = json.loads((root / "runs/small/evals/base/quality.json").read_text())
-    assert stored["result"] == report["variants"][0]["quality"]
+    divergence = json.loads((root / "runs/small/evals/base/divergence.json").read_text())
+    quality = report["variants"][0]["quality"]
+    assert stored["result"] | {"divergence": divergence["result"]} == quality
 
 
 def test_divergence_and_chat_answers_of_every_variant(small_run: Run) -> None:
