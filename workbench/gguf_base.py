@@ -16,12 +16,9 @@ import importlib.util
 import json
 from pathlib import Path
 
-from rich.console import Console
-
-from compress.artifact import atomic_dir, remove_stale_tmp
 from workbench.content_hash import sha256_cached
 from workbench.demo.cache import cache_dir
-from workbench.locking import file_lock
+from workbench.locking import build_once
 
 GGUF_INFO = "gguf_source.json"
 CONVERT_VERSION = 1
@@ -59,16 +56,8 @@ def gguf_model_dir(path: Path) -> Path:
 def ensure_gguf_model(path: Path) -> Path:
     """The converted HF model dir for a GGUF file, converting it first when missing."""
     final = gguf_model_dir(path)
-    if (final / GGUF_INFO).exists():
-        return final
-    with file_lock(final.parent / f"{final.name}.lock"):
-        if (final / GGUF_INFO).exists():
-            return final
-        remove_stale_tmp(final.parent)
-        Console(stderr=True).print(f"converting [bold]{path.name}[/] into {final} (first use only)")
-        with atomic_dir(final) as tmp:
-            convert_gguf(path, tmp)
-    return final
+    announce = f"converting [bold]{path.name}[/] into {final} (first use only)"
+    return build_once(final, GGUF_INFO, lambda tmp: convert_gguf(path, tmp), announce)
 
 
 def convert_gguf(path: Path, out: Path) -> None:

@@ -251,6 +251,7 @@ def test_concurrent_first_uses_convert_a_gguf_file_once(
         (out / gguf_base.GGUF_INFO).write_text("{}")
 
     monkeypatch.setattr(gguf_base, "convert_gguf", slow_convert)
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
     source = tmp_path / "m.gguf"
     source.write_bytes(b"GGUF")
     results: list[Path] = []

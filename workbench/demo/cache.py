@@ -14,11 +14,9 @@ import os
 from pathlib import Path
 
 from platformdirs import user_cache_dir
-from rich.console import Console
 
-from compress.artifact import atomic_dir, remove_stale_tmp
 from workbench.demo.train import BUILD_INFO, SPECS, DemoSpec, build
-from workbench.locking import file_lock
+from workbench.locking import build_once
 
 CACHE_ENV = "WORKBENCH_CACHE_DIR"
 # NOTE: bump when the corpus, tokenizer or training code changes what a spec builds.
@@ -38,21 +36,11 @@ def demo_model_dir(name: str) -> Path:
     return cache_dir() / "models" / f"{name}-{spec_hash(SPECS[name])}"
 
 
-def ensure_demo_model(name: str = "demo", console: Console | None = None) -> Path:
+def ensure_demo_model(name: str = "demo") -> Path:
     """The built model dir for a named spec, building it first when it is missing."""
     final = demo_model_dir(name)
-    if (final / BUILD_INFO).exists():
-        return final
-    with file_lock(final.parent / f"{final.name}.lock"):
-        if (final / BUILD_INFO).exists():
-            return final
-        remove_stale_tmp(final.parent)
-        (console or Console(stderr=True)).print(
-            f"building the offline demo model [bold]{name}[/] into {final} (first use only)"
-        )
-        with atomic_dir(final) as tmp:
-            build(SPECS[name], tmp)
-    return final
+    announce = f"building the offline demo model [bold]{name}[/] into {final} (first use only)"
+    return build_once(final, BUILD_INFO, lambda tmp: build(SPECS[name], tmp), announce)
 
 
 def build_info(model_dir: Path) -> dict[str, object]:
