@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 
 from reports.dashboard import build_app
-from reports.report import fmt
+from reports.report import cell as report_cell
 from tests.reports.conftest import Run
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -127,7 +127,7 @@ def test_dashboard_in_a_real_browser(
                     label,
                     c["key"],
                 )
-                assert cell == fmt(v["row"].get(c["key"]), c["format"]), (label, c["key"])
+                assert cell == report_cell(v["row"], c), (label, c["key"])
 
     # one trace per variant (+ the Pareto front); one per variant and prompt length in the load plots
     assert _traces(browser, "quality") == [*expected, "Pareto front"]
