@@ -167,8 +167,6 @@ class Evals(_Strict):
     def quality_key(self) -> list[Any]:
         """The quality settings as JSON values, for cache keys."""
         tasks = [t if isinstance(t, str) else t.model_dump() for t in self.quality]
-        if self.dtype == "float32" and self.batch_size == 16:
-            return tasks  # the key of results measured before dtype and batch size existed
         return [tasks, self.dtype, self.batch_size]
 
     def task_names(self) -> list[str]:

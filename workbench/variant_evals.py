@@ -26,7 +26,7 @@ from compress.artifact import artifact_from_manifest
 from workbench.pipeline import VariantResult
 from workbench.recipe import LoadEval, Recipe
 
-EVALS_VERSION = 3
+EVALS_VERSION = 4
 """Bump when what a measurement computes changes, so stale results are not reused."""
 MAX_DEFAULT_LENGTH = 2048
 
