@@ -138,6 +138,15 @@ def evaluate_model(
     return run_tasks(lm, None, tasks, limit, log_samples)
 
 
+def _leaf_sources(request: TaskRequest) -> list[TaskSource]:
+    """Where each task a standard task runs reads its documents; [] for ours. ValueError for an
+    unknown task or one without data here."""
+    if standard_tasks.is_standard(request.name):
+        return standard_tasks.leaf_sources(request.name, request.source)
+    check_task(request)
+    return []
+
+
 def _leaf_doc_counts(names: list[str], manager: Any) -> dict[str, int]:
     """{leaf task: documents in its scored split}, from the task objects lm-eval builds."""
     tasks = manager.load(names)["tasks"]
@@ -172,22 +181,17 @@ def run_tasks(
     split."""
     from lm_eval import simple_evaluate
 
-    sources = {t.name: check_task(t) for t in tasks}
-    hub = any(s is not None and s.source == "hub" for s in sources.values())
+    leaves = {t.name: _leaf_sources(t) for t in tasks}
+    hub = any(s.source == "hub" for found in leaves.values() for s in found)
     with tempfile.TemporaryDirectory(prefix="workbench-tasks-") as tmp, offline_hub(not hub):
         records = []
-        for t in tasks:
-            where = sources[t.name]
-            if where is None:
-                continue
-            leaves = standard_tasks.leaf_tasks(t.name)
-            for leaf in leaves:
-                leaf_where = standard_tasks.resolve_source(leaf, t.source)
-                standard_tasks.write_task_yaml(leaf_where, Path(tmp))
-                records.append(leaf_where)
-            if leaves != [t.name]:
-                standard_tasks.write_group_yaml(t.name, Path(tmp))
-                records.append(where)
+        for name, found in leaves.items():
+            for where in found:
+                standard_tasks.write_task_yaml(where, Path(tmp))
+            records += found
+            if standard_tasks.leaf_tasks(name) != [name]:  # a group (mmlu)
+                standard_tasks.write_group_yaml(name, Path(tmp))
+                records.append(standard_tasks.group_source(name, found))
         manager = task_manager(Path(tmp))
         samples = _subsets(tasks, manager) if limit is None else {}
         results = simple_evaluate(

@@ -158,11 +158,8 @@ def hub_cached(task: StandardTask) -> bool:
 def resolve_source(name: str, source: Source = "auto") -> TaskSource:
     """Where `name`'s documents come from (a group: its first subtask's source, every subtask
     checked); ValueError naming what would provide them."""
-    leaves = leaf_tasks(name)
-    if leaves != [name]:
-        found = [resolve_source(leaf, source) for leaf in leaves]
-        first = found[0]
-        return TaskSource(name, first.source, first.split, str(Path(first.path).parent))
+    if leaf_tasks(name) != [name]:
+        return group_source(name, leaf_sources(name, source))
     task = _definition(name)
     if source in ("auto", "hub") and hub_cached(task):
         return TaskSource(name, "hub", task.usual_split, task.hub_path)
@@ -181,6 +178,17 @@ def resolve_source(name: str, source: Source = "auto") -> TaskSource:
     )
 
 
+def leaf_sources(name: str, source: Source = "auto") -> list[TaskSource]:
+    """The source of every task `name` runs (itself, or each subject of a group)."""
+    return [resolve_source(leaf, source) for leaf in leaf_tasks(name)]
+
+
+def group_source(name: str, leaves: list[TaskSource]) -> TaskSource:
+    """A group's source for the report: its first subtask's, in that subtask's parent folder."""
+    first = leaves[0]
+    return TaskSource(name, first.source, first.split, str(Path(first.path).parent))
+
+
 def write_task_yaml(where: TaskSource, out_dir: Path) -> Path:
     """A task file that includes lm-eval's own definition and, for a bundled copy, replaces only
     the data source and splits."""
@@ -189,6 +197,7 @@ def write_task_yaml(where: TaskSource, out_dir: Path) -> Path:
         "include": str(lm_eval_tasks_dir() / task.yaml),
         "task": where.task,
     }
+    tagged = ""  # a `!function` value is a YAML tag, which safe_dump cannot write
     if where.source == "bundled":
         folder = Path(where.path)
         files = {s.name: str(next(s.glob("*.arrow"))) for s in folder.iterdir() if s.is_dir()}
@@ -203,10 +212,9 @@ def write_task_yaml(where: TaskSource, out_dir: Path) -> Path:
         if "dev" in files:
             config["fewshot_split"] = "dev"
         if task.process_docs:
-            config["process_docs"] = f"!function {_local_data()}.{task.process_docs}"
+            tagged = f"process_docs: !function {_local_data()}.{task.process_docs}\n"
     path = out_dir / f"{where.task}.yaml"
-    text = yaml.safe_dump(config, sort_keys=False)
-    path.write_text(text.replace("'!function ", "!function ").replace("'\n", "\n"))
+    path.write_text(yaml.safe_dump(config, sort_keys=False) + tagged)
     return path
 
 
