@@ -117,6 +117,11 @@ class DivergenceEval(_Strict):
         return names
 
 
+def _as_spec(task: str | QualityTask) -> QualityTask:
+    """A quality task written as a bare name, or in full."""
+    return QualityTask(task=task) if isinstance(task, str) else task
+
+
 class Evals(_Strict):
     quality: list[Slug | QualityTask] = []
     """lm-eval tasks: ours from `evals/tasks/`, or lm-eval's standard ones by name (hellaswag,
@@ -145,7 +150,7 @@ class Evals(_Strict):
 
         problems, seen = [], set()
         for t in tasks:
-            spec = QualityTask(task=t) if isinstance(t, str) else t
+            spec = _as_spec(t)
             if spec.task in seen:
                 problems.append(f"task {spec.task!r} is listed twice")
             seen.add(spec.task)
@@ -161,7 +166,7 @@ class Evals(_Strict):
         """The quality tasks as `evals.quality.TaskRequest`s."""
         from evals.quality import TaskRequest
 
-        specs = [QualityTask(task=t) if isinstance(t, str) else t for t in self.quality]
+        specs = map(_as_spec, self.quality)
         return [TaskRequest(s.task, s.limit, s.seed, s.source) for s in specs]
 
     def quality_key(self) -> list[Any]:
@@ -170,7 +175,7 @@ class Evals(_Strict):
         return [tasks, self.dtype, self.batch_size]
 
     def task_names(self) -> list[str]:
-        return [t if isinstance(t, str) else t.task for t in self.quality]
+        return [_as_spec(t).task for t in self.quality]
 
 
 class ReportSettings(_Strict):
