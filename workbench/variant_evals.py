@@ -151,11 +151,12 @@ def divergence_result(
     force: bool,
 ) -> tuple[dict[str, Any] | None, bool]:
     """(stats against the recipe's reference variant, reused); the reference against itself
-    gives its own perplexity and bits per byte."""
+    gives its own perplexity and bits per byte. (None, False) when there is no divergence eval,
+    or `--variant` left the reference out of this run."""
     settings = recipe.evals.divergence
-    if settings is None:
+    reference = next((r for r in results if settings and r.name == settings.reference), None)
+    if settings is None or reference is None:
         return None, False
-    reference = next(r for r in results if r.name == settings.reference)
     key = _key(
         variant.manifest["hash"],
         reference.manifest["hash"],
@@ -416,6 +417,9 @@ def measure_variants(
             if reused:
                 out.reused.append(f"{r.name}/quality")
         div, reused = divergence_result(recipe, r, results, work_dir, force)
+        if div is None and recipe.evals.divergence is not None:
+            ref = recipe.evals.divergence.reference
+            progress(f"divergence {r.name}: skipped, {ref!r} is not in this run (--variant {ref})")
         if div is not None:
             out.quality[r.name] = {**out.quality.get(r.name, {}), "divergence": div}
             progress(f"divergence {r.name}: {'reused' if reused else 'measured'}")
