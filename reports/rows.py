@@ -13,6 +13,19 @@ from __future__ import annotations
 from typing import Any
 
 HEADLINE = ("word_perplexity", "acc")
+DIVERGENCE = (  # row key prefix, `evals.divergence` statistic and its stderr, label, format, better
+    ("ppl", "perplexity", None, "token ppl ({data})", "float", "lower"),
+    ("bpb", "bits_per_byte", None, "bits/byte ({data})", "float", "lower"),
+    ("kl", "kl_mean", "kl_stderr", "KL vs {ref} ({data}, nats)", "float", "lower"),
+    (
+        "agree",
+        "top1_agreement",
+        "top1_agreement_stderr",
+        "top-1 agreement ({data})",
+        "pct",
+        "higher",
+    ),
+)
 
 
 def headline(metrics: dict[str, float]) -> tuple[str, float] | None:
@@ -98,10 +111,10 @@ def variant_row(
             row[f"{task}_bits_per_byte"] = metrics["bits_per_byte"]
     div = (quality or {}).get("divergence") or {}
     for data, stats in div.get("data", {}).items():
-        row[f"ppl_{data}"], row[f"bpb_{data}"] = stats["perplexity"], stats["bits_per_byte"]
-        row[f"kl_{data}"], row[f"kl_{data}_stderr"] = stats["kl_mean"], stats["kl_stderr"]
-        row[f"agree_{data}"] = stats["top1_agreement"]
-        row[f"agree_{data}_stderr"] = stats["top1_agreement_stderr"]
+        for prefix, stat, stderr, *_ in DIVERGENCE:
+            row[f"{prefix}_{data}"] = stats[stat]
+            if stderr:
+                row[f"{prefix}_{data}_stderr"] = stats[stderr]
     row.update(load_columns(load))
     return row
 
@@ -124,42 +137,18 @@ def divergence_columns(quality: dict[str, Any]) -> list[dict[str, Any]]:
     for results in quality.values():
         div = (results or {}).get("divergence")
         if div:
-            ref, cols = div["reference"], []
+            cols = []
             for data in div["data"]:
-                cols.append(
-                    {
-                        "key": f"ppl_{data}",
-                        "label": f"token ppl ({data})",
-                        "format": "float",
-                        "better": "lower",
+                for prefix, _, stderr, label, kind, better in DIVERGENCE:
+                    col = {
+                        "key": f"{prefix}_{data}",
+                        "label": label.format(ref=div["reference"], data=data),
+                        "format": kind,
+                        "better": better,
                     }
-                )
-                cols.append(
-                    {
-                        "key": f"bpb_{data}",
-                        "label": f"bits/byte ({data})",
-                        "format": "float",
-                        "better": "lower",
-                    }
-                )
-                cols.append(
-                    {
-                        "key": f"kl_{data}",
-                        "label": f"KL vs {ref} ({data}, nats)",
-                        "format": "float",
-                        "better": "lower",
-                        "stderr_key": f"kl_{data}_stderr",
-                    }
-                )
-                cols.append(
-                    {
-                        "key": f"agree_{data}",
-                        "label": f"top-1 agreement ({data})",
-                        "format": "pct",
-                        "better": "higher",
-                        "stderr_key": f"agree_{data}_stderr",
-                    }
-                )
+                    if stderr:
+                        col["stderr_key"] = f"{prefix}_{data}_stderr"
+                    cols.append(col)
             return cols
     return []
 
