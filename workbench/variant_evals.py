@@ -343,11 +343,16 @@ def _answers_key(recipe: Recipe, variant: VariantResult) -> str:
     return _key(variant.manifest["hash"], recipe.evals.chat_prompts, recipe.evals.chat_max_tokens)
 
 
+def _answers_path(work_dir: Path, variant: VariantResult) -> Path:
+    return work_dir / "evals" / variant.name / "answers.json"
+
+
 def _stored_answers(
     recipe: Recipe, variant: VariantResult, work_dir: Path, force: bool
 ) -> list[dict[str, Any]] | None:
-    path = work_dir / "evals" / variant.name / "answers.json"
-    stored = None if force else lookup(path, _answers_key(recipe, variant))
+    stored = (
+        None if force else lookup(_answers_path(work_dir, variant), _answers_key(recipe, variant))
+    )
     return stored["answers"] if stored is not None else None
 
 
@@ -356,8 +361,7 @@ def _ask(recipe: Recipe, url: str, variant: VariantResult, work_dir: Path) -> li
 
     evals = recipe.evals
     chat = chat_answers(url, variant.name, evals.chat_prompts, evals.chat_max_tokens)
-    path = work_dir / "evals" / variant.name / "answers.json"
-    store(path, _answers_key(recipe, variant), {"answers": chat})
+    store(_answers_path(work_dir, variant), _answers_key(recipe, variant), {"answers": chat})
     return chat
 
 
