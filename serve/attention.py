@@ -6,9 +6,11 @@ in every attention layer with that row's queries, keys and values (RoPE applied)
 new keys and values into their cache slots (`slot_mapping`), then attends each sequence's queries
 over that sequence's blocks (`block_tables`, `seq_lens`), causally within the step's chunk.
 
-Two backends implement `attend`: `SDPABackend` gathers each sequence's blocks and runs
-`scaled_dot_product_attention` (all decoding sequences in one batched call), on any device;
-`ReferenceBackend` is a plain per-sequence loop, kept as the readable definition to test against.
+Backends implement `attend`: `SDPABackend` gathers each sequence's blocks and runs
+`scaled_dot_product_attention` (decoding sequences in batched calls of similar lengths), on any
+device; `PagedCPUBackend` (`serve/cpu_attention.py`) reads decode K/V from their blocks in place
+with a C kernel; `ReferenceBackend` is a plain per-sequence loop, kept as the readable definition
+to test against.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class DecodeGroup:
     """[S_g, max_blocks]: their blocks, padded with block 0."""
     mask: torch.Tensor
     """[S_g, 1, 1, max_blocks * block_size]: True where a gathered slot is in context."""
+    seq_lens: torch.Tensor
+    """[S_g]: tokens in context of each sequence, this step's included."""
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,14 @@ class AttentionMetadata:
     prefills: list[SequenceSlice]
     """Sequences computing more than one token this step."""
     decodes: list[DecodeGroup]
-    """Sequences computing one token, grouped by length so that padding stays small."""
+    """Sequences computing one token, grouped by length (`decode_group_size` per group)."""
     backend: AttentionBackend
 
 
 class AttentionBackend(Protocol):
+    decode_group_size: int | None
+    """Decoding sequences per `DecodeGroup` (sorted by length); None: all in one group."""
+
     def attend(
         self,
         q: torch.Tensor,
@@ -91,7 +98,15 @@ def _gather_batch(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     return gathered.view(s, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
+DECODE_GROUP_SIZE = 16
+"""Decoding sequences per batched SDPA call. Sorting by length and padding each group only to
+its own longest sequence cut decode attention time ~3x on the CPU (64 sequences of 50-760
+tokens: one padded call 7.4 ms, groups of 16 2.4 ms, one call per sequence 13 ms)."""
+
+
 class SDPABackend:
+    decode_group_size: int | None = DECODE_GROUP_SIZE
+
     def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
         out = torch.empty_like(q)
         for g in meta.decodes:
@@ -102,6 +117,18 @@ class SDPABackend:
                 qd, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True
             )
             out[g.rows] = o.squeeze(2)
+        self.attend_prefills(q, k_cache, v_cache, meta, scale, out)
+        return out
+
+    @staticmethod
+    def attend_prefills(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
         for s in meta.prefills:  # NOTE: 4-D inputs: with 3-D ones SDPA takes its math path
             k = _gather(k_cache, s.block_ids, s.seq_len).transpose(0, 1)[None]
             v = _gather(v_cache, s.block_ids, s.seq_len).transpose(0, 1)[None]
@@ -112,16 +139,17 @@ class SDPABackend:
                 qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
             )
             out[s.start : s.end] = o[0].transpose(0, 1)
-        return out
 
 
 class ReferenceBackend:
+    decode_group_size: int | None = None
+
     def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
         out = torch.empty_like(q)
         decodes = [
-            SequenceSlice(int(r), int(r) + 1, int(m.sum()), bt)
+            SequenceSlice(int(r), int(r) + 1, int(n), bt)
             for g in meta.decodes
-            for r, m, bt in zip(g.rows, g.mask, g.block_tables)
+            for r, n, bt in zip(g.rows, g.seq_lens, g.block_tables)
         ]
         group = q.shape[1] // k_cache.shape[2]
         for s in [*meta.prefills, *decodes]:
@@ -132,12 +160,6 @@ class ReferenceBackend:
             probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
             out[s.start : s.end] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
         return out
-
-
-BACKENDS: dict[str, type[SDPABackend] | type[ReferenceBackend]] = {
-    "sdpa": SDPABackend,
-    "reference": ReferenceBackend,
-}
 
 
 def paged_attention(

@@ -45,6 +45,9 @@ class CacheConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
 
 
+ATTENTION_BACKENDS = ("auto", "paged-cpu", "sdpa", "reference")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -54,7 +57,9 @@ class ModelConfig:
     device: str = "auto"
     """cpu, cuda or cuda:N; auto: cuda when available."""
     attention_backend: str = "auto"
-    """`sdpa` (gathered blocks, any device) or `reference` (plain per-sequence loop)."""
+    """`paged-cpu` (C kernel reading KV blocks in place: CPU, float32 or bfloat16, needs a C
+    compiler), `sdpa` (gathered blocks, any device) or `reference` (plain per-sequence loop);
+    auto: paged-cpu where it runs, else sdpa."""
     prepack_linears: bool = True
     """On the CPU in float32: run plain linear layers through oneDNN with prepacked weights
     (`serve/cpu_linear.py`); False keeps `F.linear`."""

@@ -100,11 +100,10 @@ class LLMEngine:
         self.scheduler_config = scheduler = with_model_limit(
             scheduler or SchedulerConfig(), position_limit(hf_model)
         )
-        backend = "sdpa" if model.attention_backend == "auto" else model.attention_backend
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         if model.prepack_linears and can_prepack(device, dtype):
             prepack_linears(hf_model)
-        self.runner = ModelRunner(hf_model, cache, device, backend)
+        self.runner = ModelRunner(hf_model, cache, device, model.attention_backend)
         self.adapters = (
             AdapterManager(hf_model, lora, device, self.runner.layout.dtype) if lora else None
         )

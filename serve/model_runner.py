@@ -15,8 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from compress.artifact import check_intact, load_kwargs
-from serve.attention import ATTENTION_NAME, BACKENDS
-from serve.config import CacheConfig, ModelConfig
+from serve import cpu_attention
+from serve.attention import ATTENTION_NAME, AttentionBackend, ReferenceBackend, SDPABackend
+from serve.config import ATTENTION_BACKENDS, CacheConfig, ModelConfig
 from serve.scheduler import SchedulerOutput
 from serve.step_inputs import StepInputs, build_step_inputs
 
@@ -114,13 +115,40 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     return model.to(device).eval()
 
 
+def make_backend(
+    name: str, model: PreTrainedModel, device: torch.device, layout: KVLayout
+) -> AttentionBackend:
+    """auto: `paged-cpu` where its kernel runs (CPU, float32 or bfloat16, a C compiler), else
+    `sdpa`. An explicit `paged-cpu` that cannot run is refused with the reason."""
+    heads = model.config.get_text_config().num_attention_heads
+    why_not = cpu_attention.unsupported_reason(
+        device, layout.dtype, heads, layout.num_kv_heads, layout.head_dim
+    )
+    if name == "auto":
+        name = "sdpa" if why_not else "paged-cpu"
+    if name == "paged-cpu":
+        if why_not:
+            raise ValueError(
+                f"the paged-cpu attention backend cannot run here: {why_not}; "
+                "use --attention-backend sdpa"
+            )
+        return cpu_attention.PagedCPUBackend()
+    if name == "sdpa":
+        return SDPABackend()
+    if name == "reference":
+        return ReferenceBackend()
+    raise ValueError(
+        f"attention backend {name!r} is unknown; use one of {', '.join(ATTENTION_BACKENDS)}"
+    )
+
+
 class ModelRunner:
     def __init__(
         self, model: PreTrainedModel, cache: CacheConfig, device: torch.device, backend: str
     ) -> None:
         self.model, self.device, self.block_size = model, device, cache.block_size
         self.layout = kv_layout(model, model.get_input_embeddings().weight.dtype)
-        self.backend = BACKENDS[backend]()
+        self.backend = make_backend(backend, model, device, self.layout)
         self.num_blocks = self._num_blocks(cache)
         shape = (self.num_blocks, cache.block_size, self.layout.num_kv_heads, self.layout.head_dim)
         self.kv_caches = [

@@ -16,7 +16,7 @@ import uvicorn
 from compress.artifact import MANIFEST
 from serve.api_server import ServerSettings, build_app
 from serve.async_engine import AsyncEngine
-from serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.config import ATTENTION_BACKENDS, CacheConfig, ModelConfig, SchedulerConfig
 from serve.engine import InvalidRequest, LLMEngine
 from serve.lora.adapter import AdapterError
 from serve.lora.manager import LoraConfig
@@ -159,8 +159,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "sdpa", "reference"],
-        help="paged attention implementation",
+        choices=list(ATTENTION_BACKENDS),
+        help="paged attention: paged-cpu (C kernel reading KV blocks in place; CPU, float32 "
+        "or bfloat16, needs a C compiler), sdpa (gathered blocks, any device), reference "
+        "(per-sequence loop); auto: paged-cpu where it runs, else sdpa",
     )
     g.add_argument("--threads", type=_int_in(1), help="torch CPU threads (default: torch's choice)")
     g.add_argument(

@@ -49,19 +49,19 @@ def _logits_rows(
     return rows, sample_rows, prompt_rows
 
 
-DECODE_GROUP_SIZE = 16
-"""Decoding sequences per batched attention call. Sorting by length and padding each group only
-to its own longest sequence cut decode attention time ~3x on the CPU (64 sequences of 50-760
-tokens: one padded call 7.4 ms, groups of 16 2.4 ms, one call per sequence 13 ms)."""
-
-
 def _decode_groups(
-    rows: list[int], tables: list[list[int]], lens: list[int], block_size: int, device: torch.device
+    rows: list[int],
+    tables: list[list[int]],
+    lens: list[int],
+    block_size: int,
+    group_size: int | None,
+    device: torch.device,
 ) -> list[DecodeGroup]:
     order = sorted(range(len(rows)), key=lambda i: lens[i])
+    size = group_size or max(len(order), 1)
     groups = []
-    for start in range(0, len(order), DECODE_GROUP_SIZE):
-        members = order[start : start + DECODE_GROUP_SIZE]
+    for start in range(0, len(order), size):
+        members = order[start : start + size]
         width = max(len(tables[i]) for i in members)
         padded = [tables[i] + [0] * (width - len(tables[i])) for i in members]
         seq_lens = torch.tensor([lens[i] for i in members], device=device)
@@ -71,6 +71,7 @@ def _decode_groups(
                 rows=torch.tensor([rows[i] for i in members], dtype=torch.long, device=device),
                 block_tables=torch.tensor(padded, dtype=torch.long, device=device),
                 mask=mask[:, None, None, :],
+                seq_lens=seq_lens,
             )
         )
     return groups
@@ -110,7 +111,9 @@ def build_step_inputs(
         kv_caches=kv_caches,
         slot_mapping=as_long(slots),
         prefills=prefills,
-        decodes=_decode_groups(decode_rows, decode_tables, decode_lens, block_size, device),
+        decodes=_decode_groups(
+            decode_rows, decode_tables, decode_lens, block_size, backend.decode_group_size, device
+        ),
         backend=backend,
     )
     rows, sample_rows, prompt_rows = _logits_rows(out)

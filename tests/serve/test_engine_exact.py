@@ -15,7 +15,11 @@ from tests.serve.conftest import Case, make_cases, reference_outputs
 
 
 def make_engine(
-    model_dir: Path, num_blocks: int = 512, budget: int = 2048, backend: str = "sdpa", **sched: int
+    model_dir: Path,
+    num_blocks: int = 512,
+    budget: int = 2048,
+    backend: str = "paged-cpu",
+    **sched: int,
 ) -> LLMEngine:
     return LLMEngine(
         ModelConfig(str(model_dir), dtype="float32", device="cpu", attention_backend=backend),
@@ -71,11 +75,12 @@ def assert_equal(outputs: dict[int, list[int]], reference: list[list[int]], ids:
         )
 
 
+@pytest.mark.parametrize("backend", ["paged-cpu", "sdpa"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_ample_kv(
-    arch: str, model_dirs: dict[str, Path], cases: list[Case], references: dict
+    arch: str, backend: str, model_dirs: dict[str, Path], cases: list[Case], references: dict
 ) -> None:
-    engine = make_engine(model_dirs[arch])
+    engine = make_engine(model_dirs[arch], backend=backend)
     assert_equal(run(engine, cases), references[arch], list(range(len(cases))))
     assert engine.stats().num_preemptions == 0
 
@@ -87,10 +92,11 @@ def test_reference_backend_agrees(
     assert_equal(run(engine, cases[:12]), references["llama"], list(range(12)))
 
 
+@pytest.mark.parametrize("backend", ["paged-cpu", "sdpa"])
 def test_tiny_kv_pool_preempts_repeatedly(
-    model_dirs: dict[str, Path], cases: list[Case], references: dict
+    backend: str, model_dirs: dict[str, Path], cases: list[Case], references: dict
 ) -> None:
-    engine = make_engine(model_dirs["llama"], num_blocks=40)
+    engine = make_engine(model_dirs["llama"], num_blocks=40, backend=backend)
     outputs = run(engine, cases)
     assert engine.stats().num_preemptions >= 5
     assert_equal(outputs, references["llama"], list(range(len(cases))))

@@ -1,0 +1,188 @@
+"""Paged decode attention on the CPU through a small C kernel (`kernels/paged_decode.c`).
+
+Model: decoding sequences read their keys and values from the KV blocks where they sit, one
+(sequence, KV head) pair per work item, every cached byte once per layer; no per-layer gather of
+each sequence's blocks and no padding to the longest sequence (the SDPA backend does both).
+Prefill chunks still go to SDPA's fused kernel. Float32 and bfloat16 caches; scores, softmax and
+sums in float32.
+
+The library is compiled once per (source, compiler, CPU) into `$WORKBENCH_CACHE_DIR/kernels`
+with the C compiler `$CC` (default `cc`): `-O3 -march=native -fopenmp`, about half a second.
+Its OpenMP runtime is the one torch already loaded (same soname), so the two share one pool of
+threads. Where no compiler works, `load_kernel` returns None and the engine keeps SDPA.
+NOTE: results equal SDPA's up to float32 rounding (about 1e-6 relative); the engine tests stay
+token-exact against `generate`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from serve.attention import SDPABackend
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = [_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+
+
+def _cache_root() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(os.environ.get("WORKBENCH_CACHE_DIR") or user_cache_dir("workbench")) / "kernels"
+
+
+def _cpu_identity() -> str:
+    """What `-march=native` depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags")
+    return "\n".join(sorted({ln for ln in text.splitlines() if ln.startswith(wanted)}))
+
+
+def _library_path(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True)
+    key = "\0".join(
+        [SOURCE.read_text(), compiler, version.stdout, " ".join(FLAGS), _cpu_identity()]
+    )
+    return _cache_root() / f"paged_decode-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def _compile(compiler: str, target: Path) -> None:
+    """Compile into a temporary file in `target`'s dir, then rename: concurrent builders each
+    write their own file, and a reader never sees a half-written library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@cache
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it on first use; None (and one log line saying
+    why) when it cannot be built here."""
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        log.warning("paged CPU attention unavailable: no C compiler %r (set CC)", compiler)
+        return None
+    try:
+        path = _library_path(compiler)
+        if not path.exists():
+            _compile(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("paged CPU attention unavailable: %s", e)
+        return None
+    for name in _FUNCTIONS.values():
+        getattr(lib, name).argtypes = _ARGTYPES
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+MAX_GROUP, MAX_HEAD_DIM = 16, 512
+"""The kernel's limits: query heads per KV head, and head dim."""
+
+
+def unsupported_reason(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> str | None:
+    """Why the kernel cannot run this model's attention here (None: it can; the first call
+    builds it)."""
+    if device.type != "cpu" or dtype not in _FUNCTIONS:
+        return f"it runs on the CPU in float32 or bfloat16 (here: {device}, {dtype})"
+    if heads % kv_heads or heads // kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
+        return (
+            f"it takes at most {MAX_GROUP} query heads per KV head and head dim <= "
+            f"{MAX_HEAD_DIM} (here: {heads} heads, {kv_heads} KV heads, head dim {head_dim})"
+        )
+    if load_kernel() is None:
+        return "it needs a C compiler (gcc or clang as `cc`, or $CC) to build its kernel"
+    return None
+
+
+class PagedCPUBackend(SDPABackend):
+    decode_group_size: int | None = None
+
+    def __init__(self) -> None:
+        lib = load_kernel()
+        if lib is None:
+            raise ValueError(
+                "the paged-cpu attention backend needs a C compiler (gcc or clang as `cc`, or "
+                "$CC) to build its kernel; install one, or use --attention-backend sdpa"
+            )
+        self.lib = lib
+
+    def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+        out = torch.empty_like(q)
+        for g in meta.decodes:
+            out[g.rows] = self.decode(
+                q[g.rows], k_cache, v_cache, g.block_tables, g.seq_lens, scale
+            )
+        self.attend_prefills(q, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [S, heads, head_dim] (one token per sequence) -> the same shape."""
+        if q.device.type != "cpu" or q.dtype not in _FUNCTIONS or k_cache.dtype != q.dtype:
+            raise ValueError(f"paged-cpu attention takes CPU float32/bfloat16, got {q.dtype}")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        s, heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        tables = block_tables.contiguous()
+        lens = seq_lens.contiguous()
+        assert tables.dtype == lens.dtype == torch.int64 and k_cache.is_contiguous()
+        rc = getattr(self.lib, _FUNCTIONS[q.dtype])(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            lens.data_ptr(),
+            out.data_ptr(),
+            s,
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(
+                f"paged decode kernel failed (code {rc}): heads {heads}, kv heads {kv_heads}, "
+                f"head dim {head_dim} (at most 16 query heads per KV head, head dim <= 512)"
+            )
+        return out

@@ -1,0 +1,104 @@
+/* Paged decode attention on the CPU: one query token per sequence, keys and values read from
+ * their KV blocks where they sit (no gather, no padding to the longest sequence).
+ *
+ * Layout (row-major, contiguous):
+ *   q, out        [S, H, D]                   S decoding sequences, H query heads
+ *   k, v          [num_blocks, block_size, KVH, D]
+ *   block_tables  [S, table_width] int64       physical block of each logical block
+ *   seq_lens      [S] int64                    tokens in context, this step's included
+ * Query head h reads KV head h / (H / KVH) (grouped-query attention). Work items are
+ * (sequence, KV head) pairs; each reads its keys once for the scores of its query heads,
+ * then its values once, so every cached byte is read once per layer.
+ * T is float or uint16_t (bfloat16 bits); scores and sums are float32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 512
+
+#define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE)                                              \
+    int NAME(const T *q, const T *k, const T *v, const int64_t *block_tables,                   \
+             int64_t table_width, const int64_t *seq_lens, T *out, int64_t S, int64_t H,        \
+             int64_t KVH, int64_t D, int64_t block_size, float scale, int num_threads) {       \
+        const int64_t G = H / KVH;                                                              \
+        if (G > MAX_GROUP || D > MAX_HEAD_DIM || H % KVH) return 1;                             \
+        int failed = 0;                                                                         \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")               \
+        for (int64_t item = 0; item < S * KVH; item++) {                                        \
+            const int64_t s = item / KVH, kvh = item % KVH, len = seq_lens[s];                  \
+            const int64_t *table = block_tables + s * table_width;                              \
+            float *scores = malloc(sizeof(float) * (size_t)(G * (len > 0 ? len : 1)));          \
+            if (!scores) { failed = 1; continue; }                                              \
+            float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                    \
+            float maxs[MAX_GROUP], sums[MAX_GROUP];                                             \
+            for (int64_t g = 0; g < G; g++) {                                                   \
+                const T *qh = q + (s * H + kvh * G + g) * D;                                    \
+                for (int64_t d = 0; d < D; d++) qf[g][d] = LOAD(qh[d]) * scale;                 \
+                maxs[g] = -INFINITY;                                                            \
+                sums[g] = 0.0f;                                                                 \
+                memset(acc[g], 0, sizeof(float) * (size_t)D);                                   \
+            }                                                                                   \
+            for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                  \
+                const T *kb = k + (table[t0 / block_size] * block_size * KVH + kvh) * D;         \
+                const int64_t n = len - t0 < block_size ? len - t0 : block_size;                \
+                for (int64_t i = 0; i < n; i++) {                                               \
+                    const T *kt = kb + i * KVH * D;                                             \
+                    for (int64_t g = 0; g < G; g++) {                                           \
+                        float dot = 0.0f;                                                       \
+                        _Pragma("omp simd reduction(+ : dot)")                                  \
+                        for (int64_t d = 0; d < D; d++) dot += qf[g][d] * LOAD(kt[d]);          \
+                        scores[g * len + t0 + i] = dot;                                         \
+                        maxs[g] = dot > maxs[g] ? dot : maxs[g];                                \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+            for (int64_t g = 0; g < G; g++)                                                     \
+                for (int64_t t = 0; t < len; t++) {                                             \
+                    const float p = expf(scores[g * len + t] - maxs[g]);                        \
+                    scores[g * len + t] = p;                                                    \
+                    sums[g] += p;                                                               \
+                }                                                                               \
+            for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                  \
+                const T *vb = v + (table[t0 / block_size] * block_size * KVH + kvh) * D;         \
+                const int64_t n = len - t0 < block_size ? len - t0 : block_size;                \
+                for (int64_t i = 0; i < n; i++) {                                               \
+                    const T *vt = vb + i * KVH * D;                                             \
+                    for (int64_t g = 0; g < G; g++) {                                           \
+                        const float p = scores[g * len + t0 + i];                               \
+                        _Pragma("omp simd")                                                     \
+                        for (int64_t d = 0; d < D; d++) acc[g][d] += p * LOAD(vt[d]);           \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+            for (int64_t g = 0; g < G; g++) {                                                   \
+                T *oh = out + (s * H + kvh * G + g) * D;                                        \
+                const float inv = sums[g] > 0.0f ? 1.0f / sums[g] : 0.0f;                       \
+                for (int64_t d = 0; d < D; d++) oh[d] = STORE(acc[g][d] * inv);                 \
+            }                                                                                   \
+            free(scores);                                                                       \
+        }                                                                                       \
+        return failed ? 2 : 0;                                                                  \
+    }
+
+#define F32_LOAD(x) (x)
+#define F32_STORE(x) (x)
+DEFINE_PAGED_DECODE(paged_decode_f32, float, F32_LOAD, F32_STORE)
+DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)

@@ -1,0 +1,96 @@
+"""The paged-cpu decode kernel against the reference backend, on scattered blocks; and how the
+engine chooses a backend where the kernel cannot be built."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve import cpu_attention
+from serve.attention import AttentionMetadata, DecodeGroup, ReferenceBackend
+from serve.config import CacheConfig, ModelConfig
+from serve.engine import LLMEngine
+
+
+def scattered_decode(
+    lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeGroup]:
+    """Random q and caches; each sequence's blocks drawn at random from a shuffled pool."""
+    rng = random.Random(0)
+    counts = [-(-n // block_size) for n in lens]
+    free = list(range(sum(counts) + 5))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(c)] for c in counts]
+    width = max(counts)
+    shape = (sum(counts) + 5, block_size, kv_heads, head_dim)
+    k, v = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    seq_lens = torch.tensor(lens)
+    group = DecodeGroup(
+        rows=torch.arange(len(lens)),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        mask=(torch.arange(width * block_size)[None] < seq_lens[:, None])[:, None, None],
+        seq_lens=seq_lens,
+    )
+    return q, k, v, group
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(8, 4, 64, 8), (4, 4, 32, 16), (9, 3, 80, 8), (16, 1, 128, 5)],
+)
+def test_decode_kernel_equals_the_reference(
+    heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    lens = [1, 7, 8, 9, 16, 17, 100, 263]
+    q, k, v, group = scattered_decode(lens, heads, kv_heads, head_dim, block_size, torch.float32)
+    meta = AttentionMetadata([(k, v)], torch.empty(0), [], [group], ReferenceBackend())
+    expected = ReferenceBackend().attend(q, k, v, meta, head_dim**-0.5)
+    got = cpu_attention.PagedCPUBackend().attend(q, k, v, meta, head_dim**-0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_decode_kernel_is_float32_math_rounded_once() -> None:
+    """bf16 inputs, float32 accumulation, one rounding of the output: within bf16's precision
+    of the reference computed in float32 from the same bf16 inputs."""
+    q, k, v, group = scattered_decode([3, 50, 129], 8, 4, 64, 8, torch.bfloat16)
+    meta = AttentionMetadata([(k, v)], torch.empty(0), [], [group], ReferenceBackend())
+    expected = ReferenceBackend().attend(q, k, v, meta, 0.125)
+    got = cpu_attention.PagedCPUBackend().attend(q, k, v, meta, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.fixture
+def no_compiler(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    cpu_attention.load_kernel.cache_clear()
+    yield
+    cpu_attention.load_kernel.cache_clear()
+
+
+def test_without_a_compiler_auto_keeps_sdpa_and_paged_cpu_names_the_fix(
+    no_compiler: None, model_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    def engine(backend: str) -> LLMEngine:
+        config = ModelConfig(str(model_dirs["llama"]), dtype="float32", attention_backend=backend)
+        return LLMEngine(config, CacheConfig(num_blocks=16))
+
+    assert type(engine("auto").runner.backend).__name__ == "SDPABackend"
+    assert "no C compiler '/nonexistent/cc'" in caplog.text
+    with pytest.raises(ValueError, match=r"needs a C compiler.*--attention-backend sdpa"):
+        engine("paged-cpu")
+
+
+def test_auto_picks_the_kernel_on_the_cpu(model_dirs: dict[str, Path]) -> None:
+    config = ModelConfig(str(model_dirs["llama"]), dtype="float32", device="cpu")
+    engine = LLMEngine(config, CacheConfig(num_blocks=16))
+    assert isinstance(engine.runner.backend, cpu_attention.PagedCPUBackend)
+    fp16 = LLMEngine(
+        ModelConfig(str(model_dirs["llama"]), dtype="float16", device="cpu"),
+        CacheConfig(num_blocks=16),
+    )
+    assert type(fp16.runner.backend).__name__ == "SDPABackend"
