@@ -7,14 +7,19 @@
  *   block_tables  [S, table_width] int64       physical block of each logical block
  *   seq_lens      [S] int64                    tokens in context, this step's included
  * Query head h reads KV head h / (H / KVH) (grouped-query attention). Work items are
- * (sequence, KV head) pairs; each reads its keys once for the scores of its query heads,
+ * (sequence, KV head) pairs; each reads its keys once for the scores of its G query heads,
  * then its values once, so every cached byte is read once per layer.
- * T is float or uint16_t (bfloat16 bits); scores and sums are float32.
+ * T is float or uint16_t (bfloat16 bits); scores, softmax and sums are float32.
+ * Returns 0, 1 for shapes past the limits below, 2 when scratch memory could not be had.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 512
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
@@ -31,74 +36,95 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(bits >> 16);
 }
 
-#define MAX_GROUP 16
-#define MAX_HEAD_DIM 512
-
-#define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE)                                              \
-    int NAME(const T *q, const T *k, const T *v, const int64_t *block_tables,                   \
-             int64_t table_width, const int64_t *seq_lens, T *out, int64_t S, int64_t H,        \
-             int64_t KVH, int64_t D, int64_t block_size, float scale, int num_threads) {       \
-        const int64_t G = H / KVH;                                                              \
-        if (G > MAX_GROUP || D > MAX_HEAD_DIM || H % KVH) return 1;                             \
-        int failed = 0;                                                                         \
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")               \
-        for (int64_t item = 0; item < S * KVH; item++) {                                        \
-            const int64_t s = item / KVH, kvh = item % KVH, len = seq_lens[s];                  \
-            const int64_t *table = block_tables + s * table_width;                              \
-            float *scores = malloc(sizeof(float) * (size_t)(G * (len > 0 ? len : 1)));          \
-            if (!scores) { failed = 1; continue; }                                              \
-            float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                    \
-            float maxs[MAX_GROUP], sums[MAX_GROUP];                                             \
-            for (int64_t g = 0; g < G; g++) {                                                   \
-                const T *qh = q + (s * H + kvh * G + g) * D;                                    \
-                for (int64_t d = 0; d < D; d++) qf[g][d] = LOAD(qh[d]) * scale;                 \
-                maxs[g] = -INFINITY;                                                            \
-                sums[g] = 0.0f;                                                                 \
-                memset(acc[g], 0, sizeof(float) * (size_t)D);                                   \
-            }                                                                                   \
-            for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                  \
-                const T *kb = k + (table[t0 / block_size] * block_size * KVH + kvh) * D;         \
-                const int64_t n = len - t0 < block_size ? len - t0 : block_size;                \
-                for (int64_t i = 0; i < n; i++) {                                               \
-                    const T *kt = kb + i * KVH * D;                                             \
-                    for (int64_t g = 0; g < G; g++) {                                           \
-                        float dot = 0.0f;                                                       \
-                        _Pragma("omp simd reduction(+ : dot)")                                  \
-                        for (int64_t d = 0; d < D; d++) dot += qf[g][d] * LOAD(kt[d]);          \
-                        scores[g * len + t0 + i] = dot;                                         \
-                        maxs[g] = dot > maxs[g] ? dot : maxs[g];                                \
-                    }                                                                           \
-                }                                                                               \
-            }                                                                                   \
-            for (int64_t g = 0; g < G; g++)                                                     \
-                for (int64_t t = 0; t < len; t++) {                                             \
-                    const float p = expf(scores[g * len + t] - maxs[g]);                        \
-                    scores[g * len + t] = p;                                                    \
-                    sums[g] += p;                                                               \
-                }                                                                               \
-            for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                  \
-                const T *vb = v + (table[t0 / block_size] * block_size * KVH + kvh) * D;         \
-                const int64_t n = len - t0 < block_size ? len - t0 : block_size;                \
-                for (int64_t i = 0; i < n; i++) {                                               \
-                    const T *vt = vb + i * KVH * D;                                             \
-                    for (int64_t g = 0; g < G; g++) {                                           \
-                        const float p = scores[g * len + t0 + i];                               \
-                        _Pragma("omp simd")                                                     \
-                        for (int64_t d = 0; d < D; d++) acc[g][d] += p * LOAD(vt[d]);           \
-                    }                                                                           \
-                }                                                                               \
-            }                                                                                   \
-            for (int64_t g = 0; g < G; g++) {                                                   \
-                T *oh = out + (s * H + kvh * G + g) * D;                                        \
-                const float inv = sums[g] > 0.0f ? 1.0f / sums[g] : 0.0f;                       \
-                for (int64_t d = 0; d < D; d++) oh[d] = STORE(acc[g][d] * inv);                 \
-            }                                                                                   \
-            free(scores);                                                                       \
-        }                                                                                       \
-        return failed ? 2 : 0;                                                                  \
-    }
-
 #define F32_LOAD(x) (x)
 #define F32_STORE(x) (x)
-DEFINE_PAGED_DECODE(paged_decode_f32, float, F32_LOAD, F32_STORE)
-DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* One (sequence, KV head) work item; `D` is a literal at the hot call sites, so the head-dim
+ * loops are unrolled and the accumulators stay in registers. */
+#define DEFINE_ITEM(SUFFIX, T, LOAD, STORE)                                                    \
+    static inline __attribute__((always_inline)) int item_##SUFFIX(                            \
+        const T *q, const T *k, const T *v, const int64_t *table, int64_t len, T *out,         \
+        int64_t H, int64_t KVH, int64_t G, int64_t kvh, int64_t block_size, float scale,       \
+        const int64_t D) {                                                                     \
+        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                       \
+        float maxs[MAX_GROUP], sums[MAX_GROUP];                                                \
+        float *scores = malloc(sizeof(float) * (size_t)(G * (len > 0 ? len : 1)));             \
+        if (!scores) return 2;                                                                 \
+        for (int64_t g = 0; g < G; g++) {                                                      \
+            const T *qh = q + (kvh * G + g) * D;                                               \
+            for (int64_t d = 0; d < D; d++) qf[g][d] = LOAD(qh[d]) * scale;                    \
+            for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f;                                  \
+            maxs[g] = -FLT_MAX;                                                                \
+            sums[g] = 0.0f;                                                                    \
+        }                                                                                      \
+        for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                     \
+            const T *kb = k + (table[t0 / block_size] * block_size * KVH + kvh) * D;           \
+            const int64_t n = len - t0 < block_size ? len - t0 : block_size;                   \
+            for (int64_t i = 0; i < n; i++)                                                    \
+                for (int64_t g = 0; g < G; g++) {                                              \
+                    float dot = 0.0f;                                                          \
+                    for (int64_t d = 0; d < D; d++) dot += qf[g][d] * LOAD(kb[i * KVH * D + d]); \
+                    scores[g * len + t0 + i] = dot;                                            \
+                    maxs[g] = dot > maxs[g] ? dot : maxs[g];                                   \
+                }                                                                              \
+        }                                                                                      \
+        for (int64_t g = 0; g < G; g++) {                                                      \
+            float sum = 0.0f;                                                                  \
+            for (int64_t t = 0; t < len; t++) {                                                \
+                const float p = expf(scores[g * len + t] - maxs[g]);                           \
+                scores[g * len + t] = p;                                                       \
+                sum += p;                                                                      \
+            }                                                                                  \
+            sums[g] = sum;                                                                     \
+        }                                                                                      \
+        for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                     \
+            const T *vb = v + (table[t0 / block_size] * block_size * KVH + kvh) * D;           \
+            const int64_t n = len - t0 < block_size ? len - t0 : block_size;                   \
+            for (int64_t i = 0; i < n; i++)                                                    \
+                for (int64_t g = 0; g < G; g++) {                                              \
+                    const float p = scores[g * len + t0 + i];                                  \
+                    for (int64_t d = 0; d < D; d++) acc[g][d] += p * LOAD(vb[i * KVH * D + d]); \
+                }                                                                              \
+        }                                                                                      \
+        for (int64_t g = 0; g < G; g++) {                                                      \
+            T *oh = out + (kvh * G + g) * D;                                                   \
+            const float inv = sums[g] > 0.0f ? 1.0f / sums[g] : 0.0f;                          \
+            for (int64_t d = 0; d < D; d++) oh[d] = STORE(acc[g][d] * inv);                    \
+        }                                                                                      \
+        free(scores);                                                                          \
+        return 0;                                                                              \
+    }
+
+#define DEFINE_PAGED_DECODE(SUFFIX, T)                                                         \
+    int paged_decode_##SUFFIX(const T *q, const T *k, const T *v, const int64_t *block_tables, \
+                              int64_t table_width, const int64_t *seq_lens, T *out, int64_t S, \
+                              int64_t H, int64_t KVH, int64_t D, int64_t block_size,           \
+                              float scale, int num_threads) {                                  \
+        if (H % KVH || H / KVH > MAX_GROUP || D > MAX_HEAD_DIM) return 1;                      \
+        const int64_t G = H / KVH;                                                             \
+        int rc = 0;                                                                            \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")              \
+        for (int64_t item = 0; item < S * KVH; item++) {                                       \
+            const int64_t s = item / KVH, kvh = item % KVH;                                    \
+            const T *qs = q + s * H * D;                                                       \
+            T *os = out + s * H * D;                                                           \
+            const int64_t *table = block_tables + s * table_width;                             \
+            int r;                                                                             \
+            if (D == 64)                                                                       \
+                r = item_##SUFFIX(qs, k, v, table, seq_lens[s], os, H, KVH, G, kvh,            \
+                                  block_size, scale, 64);                                      \
+            else if (D == 128)                                                                 \
+                r = item_##SUFFIX(qs, k, v, table, seq_lens[s], os, H, KVH, G, kvh,            \
+                                  block_size, scale, 128);                                     \
+            else                                                                               \
+                r = item_##SUFFIX(qs, k, v, table, seq_lens[s], os, H, KVH, G, kvh,            \
+                                  block_size, scale, D);                                       \
+            if (r) rc = r;                                                                     \
+        }                                                                                      \
+        return rc;                                                                             \
+    }
+
+DEFINE_ITEM(f32, float, F32_LOAD, F32_STORE)
+DEFINE_ITEM(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_PAGED_DECODE(f32, float)
+DEFINE_PAGED_DECODE(bf16, uint16_t)

@@ -1,0 +1,211 @@
+"""Per-step times of the engine's configurations and of transformers' `generate`, side by side:
+a decode step at 1, 16 and 64 running sequences, and the prefill of 1,024 prompt tokens.
+
+`python -m evals.step_bench [--model DIR|demo|llama-25m|smollm2] [--systems engine,sdpa,generate]
+[--rounds 3] [--context 128]`
+
+- engine systems: `n` requests of `context` prompt tokens are prefilled, then 32 decode steps are
+  timed (`engine.step()`, all of it: schedule, inputs, forward, sample, update). Prefill: one
+  prompt of `--prefill` tokens and one output token, whole in one step (no prefix cache).
+- `generate` (transformers, SDPA attention, its dynamic KV cache): a static batch of `n` prompts
+  of `context` tokens; a decode step is (time for 33 new tokens - time for 1) / 32. Prefill: one
+  `generate` call with one new token on a `--prefill`-token prompt.
+Systems run in alternation round by round (the first round warms up and is not counted); each
+cell is the median with min-max, and ratios are per round against the first system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.engine import LLMEngine
+from serve.sampling_params import SamplingParams
+
+DECODE_STEPS = 32
+BATCHES = (1, 16, 64)
+
+
+@dataclass(frozen=True)
+class EngineSystem:
+    backend: str = "auto"
+    prepack: bool = True
+    dtype: str = "float32"
+
+
+ENGINE_SYSTEMS = {
+    "engine": EngineSystem(),
+    "engine-bf16": EngineSystem(dtype="bfloat16"),
+    "sdpa": EngineSystem(backend="sdpa"),
+    "sdpa-flinear": EngineSystem(backend="sdpa", prepack=False),
+}
+GENERATE_SYSTEMS = {"generate": torch.float32, "generate-bf16": torch.bfloat16}
+
+
+def prompt_ids(i: int, length: int, vocab: int) -> list[int]:
+    return [(i * 131 + j * 7919) % (vocab - 10) + 10 for j in range(length)]
+
+
+def make_engine(model: Path, system: EngineSystem, prefill: int) -> LLMEngine:
+    return LLMEngine(
+        ModelConfig(str(model), system.dtype, "cpu", system.backend, system.prepack),
+        CacheConfig(num_blocks=4096, block_size=8),
+        SchedulerConfig(
+            max_num_seqs=max(BATCHES),
+            max_num_batched_tokens=max(8192, prefill),
+            enable_prefix_caching=False,
+        ),
+    )
+
+
+def engine_decode_step(engine: LLMEngine, n: int, context: int, tag: str) -> float:
+    params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(f"{tag}-{i}", prompt_ids(i, context, engine.vocab_size), params)
+    engine.step()  # the whole prefill: the budget holds 64 x 128 tokens
+    start = time.perf_counter()
+    for _ in range(DECODE_STEPS):
+        engine.step()
+    seconds = (time.perf_counter() - start) / DECODE_STEPS
+    while engine.has_unfinished_requests():
+        engine.step()
+    return seconds
+
+
+def engine_prefill(engine: LLMEngine, tokens: int, tag: str) -> float:
+    engine.add_request(
+        tag, prompt_ids(7, tokens, engine.vocab_size), SamplingParams(max_tokens=1, temperature=0)
+    )
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def _generate(model: PreTrainedModel, ids: torch.Tensor, new: int) -> float:
+    config = GenerationConfig(
+        max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return time.perf_counter() - start
+
+
+def generate_decode_step(model: PreTrainedModel, n: int, context: int) -> float:
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.tensor([prompt_ids(i, context, vocab) for i in range(n)])
+    return (_generate(model, ids, DECODE_STEPS + 1) - _generate(model, ids, 1)) / DECODE_STEPS
+
+
+def generate_prefill(model: PreTrainedModel, tokens: int) -> float:
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return _generate(model, torch.tensor([prompt_ids(7, tokens, vocab)]), 1)
+
+
+@dataclass
+class Cell:
+    """One measurement kind (decode at n, or prefill) of every system, round by round."""
+
+    name: str
+    runs: dict[str, Callable[[str], float]]
+    times: dict[str, list[float]]
+
+    def line(self) -> str:
+        first = next(iter(self.times))
+        parts = []
+        for system, values in self.times.items():
+            cell = f"{system} {ms(statistics.median(values))} ({ms(min(values))}-{ms(max(values))})"
+            if system != first:
+                ratios = [o / f for f, o in zip(self.times[first], values)]
+                cell += f" = x{statistics.median(ratios):.2f} of {first}"
+            parts.append(cell)
+        return f"{self.name}: " + "; ".join(parts)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def measure(model: Path, systems: list[str], rounds: int, context: int, prefill: int) -> list[Cell]:
+    """Every system's decode step at 1/16/64 sequences and its prefill, alternating per round."""
+    runs: dict[str, tuple[Callable[[int, str], float], Callable[[str], float]]] = {}
+    for name in systems:
+        if name in ENGINE_SYSTEMS:
+            engine = make_engine(model, ENGINE_SYSTEMS[name], prefill)
+            runs[name] = (
+                lambda n, tag, e=engine: engine_decode_step(e, n, context, tag),
+                lambda tag, e=engine: engine_prefill(e, prefill, tag),
+            )
+        elif name in GENERATE_SYSTEMS:
+            hf = AutoModelForCausalLM.from_pretrained(
+                model, dtype=GENERATE_SYSTEMS[name], attn_implementation="sdpa"
+            ).eval()
+            runs[name] = (
+                lambda n, tag, m=hf: generate_decode_step(m, n, context),
+                lambda tag, m=hf: generate_prefill(m, prefill),
+            )
+        else:
+            known = [*ENGINE_SYSTEMS, *GENERATE_SYSTEMS]
+            raise SystemExit(f"unknown system {name!r}; use some of {', '.join(known)}")
+    cells = [
+        Cell(
+            f"decode step, {n:2d} sequences",
+            {s: (lambda tag, r=r, n=n: r[0](n, tag)) for s, r in runs.items()},
+            {s: [] for s in runs},
+        )
+        for n in BATCHES
+    ]
+    cells.append(
+        Cell(f"prefill {prefill} tokens", {s: r[1] for s, r in runs.items()}, {s: [] for s in runs})
+    )
+    with torch.inference_mode():
+        for cell in cells:
+            for r in range(rounds + 1):
+                for system, run in cell.runs.items():
+                    seconds = run(f"{cell.name}-{r}")
+                    if r:  # round 0 warms up
+                        cell.times[system].append(seconds)
+            print(cell.line(), flush=True)
+    return cells
+
+
+def resolve_model(value: str | None) -> Path:
+    if value in (None, "llama-25m"):
+        from evals.engine_bench import default_llama_25m
+
+        return default_llama_25m()
+    if value == "demo":
+        from workbench.demo import ensure_demo_model
+
+        return ensure_demo_model("demo")
+    if value == "smollm2":
+        from workbench.gguf_base import ensure_gguf_model, named_gguf_path
+
+        return ensure_gguf_model(named_gguf_path("smollm2-135m"))
+    return Path(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", help="model dir, or demo, llama-25m (default), smollm2")
+    parser.add_argument("--systems", default="engine,sdpa,generate", help="comma list")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
+    parser.add_argument("--prefill", type=int, default=1024, help="prompt tokens of the prefill")
+    args = parser.parse_args(argv)
+    measure(
+        resolve_model(args.model), args.systems.split(","), args.rounds, args.context, args.prefill
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
