@@ -228,7 +228,7 @@ def bench_model(
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     baseline = load_baseline_model(model_dir)
-    engine = engine_for(model_dir, kv_bytes=1 << 30, block_size=block_size)
+    engine = engine_for(model_dir, kv_bytes=3 << 30, block_size=block_size)
     report: dict = {"model": name, "parameters": sum(p.numel() for p in baseline.parameters())}
     warm = make_workload("mixed", 4, len(tok), seed=99)
     (
@@ -265,47 +265,59 @@ def bench_model(
     return report
 
 
+def step_times(model_dir: Path, rounds: int, log: Callable[[str], None]) -> dict:
+    """Median ms of a decode step at 1/16/64 sequences and of a 1,024-token prefill, engine and
+    `generate` side by side (`evals.step_bench`)."""
+    from evals.step_bench import measure
+
+    cells = measure(model_dir, ["engine", "generate"], rounds, 128, 1024, log)
+    return {c.name: {s: statistics.median(v) * 1000 for s, v in c.times.items()} for c in cells}
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
     import os
 
-    from workbench.demo import ensure_demo_model
+    from evals.step_bench import resolve_model
 
     parser = argparse.ArgumentParser(prog="workbench bench-engine", description=__doc__)
-    parser.add_argument("--models", default="demo,llama-25m", help="comma list: demo, llama-25m")
+    parser.add_argument(
+        "--models", default="demo,llama-25m,smollm2", help="comma list: demo, llama-25m, smollm2"
+    )
     parser.add_argument("--workloads", default="mixed,equal", help="comma list: mixed, equal")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per workload")
     parser.add_argument("--requests", type=int, default=64, help="requests per workload")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--out", default="reports/bench-engine.json", help="JSON results file")
     parser.add_argument("--block-size", type=int, default=8, help="KV block size of the engine")
+    parser.add_argument(
+        "--concurrency-models",
+        default="demo,llama-25m",
+        help="models whose paged-vs-contiguous concurrency is measured (256 requests each)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    demo = ensure_demo_model("demo")
-    dirs = {
-        "demo": demo,
-        "llama-25m": random_llama_25m(
-            demo, Path(os.environ.get("TMPDIR", "/tmp")) / "workbench-llama-25m"
-        ),
-    }
     results = {"threads": args.threads, "models": []}
     for name in args.models.split(","):
-        results["models"].append(
-            bench_model(
-                name,
-                dirs[name],
-                args.workloads.split(","),
-                args.rounds,
-                args.requests,
-                print,
-                args.block_size,
+        model_dir = resolve_model(name)
+        report = bench_model(
+            name,
+            model_dir,
+            [w for w in args.workloads.split(",") if w],
+            args.rounds,
+            args.requests,
+            print,
+            args.block_size,
+        )
+        print(f"== {name}: per-step times (median of {args.rounds} rounds)")
+        report["steps_ms"] = step_times(model_dir, args.rounds, print)
+        if name in args.concurrency_models.split(","):
+            report["concurrency"] = concurrency_vs_contiguous(
+                model_dir, 4096, block_size=args.block_size
             )
-        )
-        results["models"][-1]["concurrency"] = concurrency_vs_contiguous(
-            dirs[name], 4096, block_size=args.block_size
-        )
-        print("   concurrency at a fixed KV budget:", results["models"][-1]["concurrency"])
+            print("   concurrency at a fixed KV budget:", report["concurrency"])
+        results["models"].append(report)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

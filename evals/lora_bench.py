@@ -1,8 +1,8 @@
 """Multi-LoRA serving cost, in one process: throughput over 0 / 1 / 4 / 16 distinct adapters,
 adapter load latency, and inter-token latency during a burst of loads.
 
-`python -m evals.lora_bench [--model DIR]` (default: the demo model) makes 16 rank-16 PEFT
-adapters on every linear layer, then runs the same 64 greedy requests with their adapters spread
+`python -m evals.lora_bench [--model DIR|demo|llama-25m|smollm2] [--targets all|attention]`
+(default: the demo model, all 7 linear layers of a block) makes 16 rank-16 PEFT adapters, then runs the same 64 greedy requests with their adapters spread
 round-robin over 0 (base only), 1, 4 and 16 adapters, alternating round by round, on an engine
 with 16 adapter slots. Loads are timed as the server does them: read and check off the engine
 thread, register between two steps.
@@ -24,10 +24,15 @@ from serve import LLMEngine, SamplingParams
 from serve.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.lora.manager import LoraConfig
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = {
+    "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
+}
 
 
-def make_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[Path]:
+def make_adapters(
+    model_dir: Path, out: Path, count: int, rank: int, targets: list[str]
+) -> list[Path]:
     from peft import LoraConfig as PeftConfig
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -38,7 +43,7 @@ def make_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[Pat
         model = get_peft_model(
             AutoModelForCausalLM.from_pretrained(model_dir),
             PeftConfig(
-                r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False
+                r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False
             ),
         )
         with torch.no_grad():
@@ -97,17 +102,17 @@ def p95(values: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", type=Path, help="model dir (default: the demo model)")
+    parser.add_argument("--model", default="demo", help="model dir, or demo, llama-25m, smollm2")
+    parser.add_argument("--targets", default="all", choices=list(TARGETS), help="adapted layers")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    if args.model is None:
-        from workbench.demo import ensure_demo_model
+    from evals.step_bench import resolve_model
 
-        args.model = ensure_demo_model("demo")
+    args.model = resolve_model(args.model)
     scratch = Path(tempfile.mkdtemp(prefix="lora-bench-"))
-    paths = make_adapters(args.model, scratch, 16, 16)
+    paths = make_adapters(args.model, scratch, 16, 16, TARGETS[args.targets])
     engine = LLMEngine(
         ModelConfig(str(args.model), dtype="float32", device="cpu"),
         CacheConfig(num_blocks=8192),
@@ -139,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(min {min(ratios):.2f}, max {max(ratios):.2f})"
         )
     print(
-        f"adapter load (rank 16, {len(TARGETS)} modules per layer): p50 {statistics.median(load_times) * 1000:.1f} ms, "
+        f"adapter load (rank 16, {len(TARGETS[args.targets])} modules per layer): p50 {statistics.median(load_times) * 1000:.1f} ms, "
         f"max {max(load_times) * 1000:.1f} ms"
     )
     quiet = step_times(engine, prompts[:32], args.max_tokens, None)

@@ -134,7 +134,14 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms"
 
 
-def measure(model: Path, systems: list[str], rounds: int, context: int, prefill: int) -> list[Cell]:
+def measure(
+    model: Path,
+    systems: list[str],
+    rounds: int,
+    context: int,
+    prefill: int,
+    log: Callable[[str], None] = print,
+) -> list[Cell]:
     """Every system's decode step at 1/16/64 sequences and its prefill, alternating per round."""
     runs: dict[str, tuple[Callable[[int, str], float], Callable[[str], float]]] = {}
     for name in systems:
@@ -173,7 +180,7 @@ def measure(model: Path, systems: list[str], rounds: int, context: int, prefill:
                     seconds = run(f"{cell.name}-{r}")
                     if r:  # round 0 warms up
                         cell.times[system].append(seconds)
-            print(cell.line(), flush=True)
+            log(cell.line())
     return cells
 
 

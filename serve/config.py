@@ -61,7 +61,7 @@ class ModelConfig:
     compiler), `sdpa` (gathered blocks, any device) or `reference` (plain per-sequence loop);
     auto: paged-cpu where it runs, else sdpa."""
     prepack_linears: bool = True
-    """On the CPU in float32: run plain linear layers through oneDNN with prepacked weights
+    """On the CPU in float32 or bfloat16: run plain linear layers through oneDNN with prepacked weights
     (`serve/cpu_linear.py`); False keeps `F.linear`."""
 
 

@@ -1,9 +1,10 @@
-"""Float32 linear layers on the CPU through oneDNN with prepacked weights.
+"""Float32 and bfloat16 linear layers on the CPU through oneDNN with prepacked weights.
 
 Model: `aten::mm` on some x86 CPUs (AMD's, with this torch build) goes to MKL's generic path,
 while oneDNN's `brg_matmul` kernels run the same product 1.3-1.7x faster at decode shapes once
-the weight is reordered into oneDNN's blocked layout. `prepack_linears` replaces every plain
-float32 `nn.Linear` of a CPU model by a `PackedLinear` holding only the reordered weight (the
+the weight is reordered into oneDNN's blocked layout (bfloat16 too: 1.1-1.8x over `F.linear`
+at 1-64 rows on an avx512_bf16 CPU). `prepack_linears` replaces every plain float32 or bfloat16
+`nn.Linear` of a CPU model by a `PackedLinear` holding only the reordered weight (the
 original is released unless another module shares it, as a tied lm_head does).
 NOTE: results equal `F.linear`'s up to float32 rounding (about 1e-6 relative); greedy outputs
 stay token-exact against `generate` in the engine tests.
@@ -27,19 +28,22 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replace every plain float32 CPU `nn.Linear` (not subclasses: quantized layers keep their
+    """Replace every plain float32 or bfloat16 CPU `nn.Linear` (not subclasses: quantized layers keep their
     own kernels) by a `PackedLinear`; returns how many were replaced."""
     targets = [
         (name, m)
         for name, m in model.named_modules()
         if type(m) is nn.Linear
         and type(m.weight.data) is torch.Tensor  # not a quantized tensor subclass (torchao)
-        and m.weight.dtype == torch.float32
+        and m.weight.dtype in PACKED_DTYPES
         and m.weight.device.type == "cpu"
     ]
     for name, module in targets:

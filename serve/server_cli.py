@@ -168,7 +168,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-prepack-linears",
         action="store_true",
-        help="on the CPU in float32, keep F.linear instead of oneDNN with prepacked weights",
+        help="on the CPU in float32/bfloat16, keep F.linear instead of oneDNN with prepacked weights",
     )
     g = p.add_argument_group("LoRA adapters")
     g.add_argument(

@@ -1,4 +1,4 @@
-"""oneDNN-prepacked linears: same products as F.linear, only plain float32 layers replaced,
+"""oneDNN-prepacked linears: same products as F.linear, only plain float32/bfloat16 layers replaced,
 on by default in the engine with the same greedy tokens as without."""
 
 from __future__ import annotations
@@ -31,13 +31,25 @@ def test_packed_linear_matches_f_linear(bias: bool, shape: tuple[int, ...]) -> N
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_only_plain_float32_linears_are_replaced() -> None:
+def test_packed_bfloat16_linear_matches_f_linear() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96).bfloat16()
+    x = torch.randn(5, 64).bfloat16()
+    got = PackedLinear(linear)(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, linear(x), rtol=1.6e-2, atol=1e-2)
+
+
+def test_only_plain_float32_and_bfloat16_linears_are_replaced() -> None:
     class Custom(nn.Linear):
         pass
 
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).bfloat16(), Custom(8, 8))
-    assert prepack_linears(model) == 1
-    assert [type(m).__name__ for m in model] == ["PackedLinear", "Linear", "Custom"]
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.Linear(8, 8).bfloat16(), nn.Linear(8, 8).half(), Custom(8, 8)
+    )
+    assert prepack_linears(model) == 2
+    names = [type(m).__name__ for m in model]
+    assert names == ["PackedLinear", "PackedLinear", "Linear", "Custom"]
 
 
 def test_engine_prepacks_by_default_with_the_same_greedy_tokens(
