@@ -4,8 +4,10 @@ Model: every adaptable linear layer keeps its original module (float, bitsandbyt
 torchao: whatever it is) and gains slot-stacked LoRA weights: A [slots, R, in], B [slots, out, R]
 and a scaling per slot, padded to the server's max rank R (zero rows / columns add nothing).
 Slot 0 is "no adapter". For each step the manager sets, on the shared `StepSlots`, which flat
-token rows use which slot; the layer adds `(x @ A[s]^T) @ B[s]^T * scaling[s]` to those rows,
-one small matmul pair per distinct adapter in the step.
+token rows use which slot; the layer adds `(x @ A[s]^T) @ B[s]^T * scaling[s]` to those rows.
+Small steps run it as two batched matmuls over the step's adapters (their rows padded to the
+most rows of one adapter; each adapter's A and B read once), larger ones one matmul pair per
+adapter. A layer that none of the step's adapters touches adds nothing and costs nothing.
 """
 
 from __future__ import annotations
@@ -15,19 +17,27 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-GATHER_MAX_TOKENS = 256
-"""Steps with at most this many tokens gather each token's own A and B and run two batched
-matmuls per layer, whatever the number of adapters; larger steps (long prefills) loop over the
-adapters instead, which copies no weights."""
+BATCHED_MAX_TOKENS = 256
+"""Steps with at most this many tokens (decode steps) run the two batched matmuls per layer,
+when padding at most doubles the rows; larger steps (long prefills) loop over the adapters,
+which copies no weights."""
+
+
+@dataclass(frozen=True)
+class BatchedRows:
+    slots: torch.Tensor
+    """[A]: the slot of each adapter of the step."""
+    rows: torch.Tensor
+    """[A, W]: flat token rows of each adapter, padded with the scratch row (= token count)."""
 
 
 @dataclass
 class StepSlots:
     """Per step: (slot, token rows) for every adapter in the batch (empty when none), and for
-    small steps the slot of every token row (0 where a row has no adapter)."""
+    small steps the same rows padded into one batch."""
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    token_slots: torch.Tensor | None = None
+    batched: BatchedRows | None = None
 
 
 class LoraLinear(nn.Module):
@@ -59,6 +69,8 @@ class LoraLinear(nn.Module):
         self.register_buffer(
             "scaling", torch.zeros(num_slots, device=device, dtype=dtype), persistent=False
         )
+        self.filled: set[int] = set()
+        """Slots holding an adapter that changes this layer."""
 
     def set_slot(
         self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, scaling: float
@@ -67,26 +79,37 @@ class LoraLinear(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.scaling[slot] = 0.0 if a is None else scaling
-        if a is not None and b is not None:  # NOTE: B is stored pre-multiplied by the scaling
+        self.filled.discard(slot)
+        if a is not None and b is not None:
+            self.filled.add(slot)  # NOTE: B is stored pre-multiplied by the scaling
             self.lora_a[slot, : a.shape[0]] = a.to(self.lora_a.dtype)
             self.lora_b[slot, :, : b.shape[1]] = (b * scaling).to(self.lora_b.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if not self.step.groups:
+        groups = [(slot, rows) for slot, rows in self.step.groups if slot in self.filled]
+        if not groups:
             return y
         flat_x = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
-        slots = self.step.token_slots
-        if slots is not None:
-            a = self.lora_a.index_select(0, slots)  # [T, R, in]
-            b = self.lora_b.index_select(0, slots)  # [T, out, R]
-            delta = torch.bmm(b, torch.bmm(a, flat_x.unsqueeze(2))).squeeze(2)
-            return y + delta.view_as(y).to(y.dtype)
-        flat_y = y.reshape(-1, self.out_features).clone()
-        for slot, rows in self.step.groups:
+        flat_y = y.reshape(-1, self.out_features)
+        batch = self.step.batched
+        if batch is not None:
+            return self._batched(flat_x, flat_y, batch).view_as(y)
+        flat_y = flat_y.clone()
+        for slot, rows in groups:
             delta = (flat_x.index_select(0, rows) @ self.lora_a[slot].T) @ self.lora_b[slot].T
             flat_y.index_add_(0, rows, delta.to(flat_y.dtype))
         return flat_y.view_as(y)
+
+    def _batched(self, x: torch.Tensor, y: torch.Tensor, batch: BatchedRows) -> torch.Tensor:
+        """[T, out]: y plus every adapter's delta on its rows, in two bmm calls."""
+        a = self.lora_a.index_select(0, batch.slots)  # [A, R, in]
+        b = self.lora_b.index_select(0, batch.slots)  # [A, out, R]
+        xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[batch.rows]  # [A, W, in]
+        delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))  # [A, W, out]
+        out = torch.cat([y, y.new_zeros(1, y.shape[1])])
+        out.index_add_(0, batch.rows.flatten(), delta.flatten(0, 1).to(out.dtype))
+        return out[:-1]
 
 
 def adaptable_linears(model: nn.Module) -> dict[str, tuple[nn.Module, int, int]]:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from serve.lora.adapter import Adapter, AdapterError, load_adapter
-from serve.lora.layers import GATHER_MAX_TOKENS, LoraLinear, StepSlots, wrap
+from serve.lora.layers import BATCHED_MAX_TOKENS, BatchedRows, LoraLinear, StepSlots, wrap
 
 
 class AdapterLimit(AdapterError):
@@ -130,12 +130,16 @@ class AdapterManager:
         assert len(used) <= self.config.max_loras, "the scheduler caps distinct adapters per step"
         groups = [(self._slot_for(version, used), rows) for version, rows in token_versions]
         self.step.groups = groups
-        self.step.token_slots = None
-        if groups and num_tokens <= GATHER_MAX_TOKENS:
-            slots = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            for slot, rows in groups:
-                slots[rows] = slot
-            self.step.token_slots = slots
+        self.step.batched = None
+        width = max((len(rows) for _, rows in groups), default=0)
+        if groups and num_tokens <= BATCHED_MAX_TOKENS and len(groups) * width <= 2 * num_tokens:
+            padded = torch.full(
+                (len(groups), width), num_tokens, dtype=torch.long, device=self.device
+            )
+            for i, (_, rows) in enumerate(groups):
+                padded[i, : len(rows)] = rows
+            slots = torch.tensor([slot for slot, _ in groups], device=self.device)
+            self.step.batched = BatchedRows(slots, padded)
 
     def forget_slots(self) -> None:
         """Treat every device slot as empty (after a failed step may have left one half-written)."""

@@ -140,7 +140,7 @@ def test_mixed_batch_equals_peft_per_adapter(
     model_dirs: dict[str, Path], adapters: dict[str, Path], max_loras: int, budget: int
 ) -> None:
     """With max_loras=2 the scheduler must hold back requests of a third adapter; with a budget
-    of 1024 the first steps exceed GATHER_MAX_TOKENS and the layers loop over adapters."""
+    of 1024 the first steps exceed BATCHED_MAX_TOKENS and the layers loop over adapters."""
     model_dir = model_dirs["llama"]
     prompts = [c.prompt for c in make_cases(6, seed=11, vocab=500, max_prompt=40)]
     engine = lora_engine(model_dir, max_loras=max_loras, budget=budget)

@@ -1,0 +1,157 @@
+"""Paged decode attention candidates at the engine's decode shapes, one layer, same inputs.
+
+`python -m evals.attention_bench [--sequences 64] [--min-len 50] [--max-len 260] [--rounds 20]`
+
+Shapes of the 25M Llama (8 heads, 4 KV heads, head dim 64, KV blocks of 8), float32, each
+sequence's blocks scattered at random over the pool. Candidates:
+- `paged-cpu`: the engine's C kernel, reading K/V from the blocks in place (`serve/cpu_attention`);
+- `sdpa`: the SDPA backend, gathering each group's blocks and padding to the group's longest;
+- `flex`: FlexAttention compiled for the CPU (inductor), all queries as one sequence over the
+  flat slot pool, with a block mask of (1 query x 8 slots) blocks built from the block tables
+  (mask: the slot belongs to the query's sequence and lies before its length). Compile time and
+  block-mask time are reported apart; `--no-flex` skips it.
+Reports the median time per call (min-max) and the largest difference to the reference backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from serve.attention import (
+    DECODE_GROUP_SIZE,
+    AttentionMetadata,
+    DecodeGroup,
+    ReferenceBackend,
+    SDPABackend,
+)
+from serve.cpu_attention import PagedCPUBackend
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 8
+
+
+def groups(tables: list[list[int]], lens: list[int], size: int | None) -> list[DecodeGroup]:
+    order = sorted(range(len(lens)), key=lambda i: lens[i])
+    size = size or len(order)
+    out = []
+    for start in range(0, len(order), size):
+        members = order[start : start + size]
+        width = max(len(tables[i]) for i in members)
+        seq_lens = torch.tensor([lens[i] for i in members])
+        out.append(
+            DecodeGroup(
+                rows=torch.tensor(members),
+                block_tables=torch.tensor(
+                    [tables[i] + [0] * (width - len(tables[i])) for i in members]
+                ),
+                mask=(torch.arange(width * BLOCK)[None] < seq_lens[:, None])[:, None, None],
+                seq_lens=seq_lens,
+            )
+        )
+    return out
+
+
+def flex_candidate(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: list[list[int]], lens: list[int]
+) -> tuple[Callable[[], torch.Tensor], dict[str, float]]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    slots = k.shape[0] * BLOCK
+    slot_seq = torch.full((slots,), -1, dtype=torch.int32)
+    slot_pos = torch.zeros(slots, dtype=torch.int32)
+    for s, table in enumerate(tables):
+        for j, b in enumerate(table):
+            slot_seq[b * BLOCK : (b + 1) * BLOCK] = s
+            slot_pos[b * BLOCK : (b + 1) * BLOCK] = torch.arange(j * BLOCK, (j + 1) * BLOCK)
+    seq_len = torch.tensor(lens, dtype=torch.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (slot_seq[kv_idx] == q_idx) & (slot_pos[kv_idx] < seq_len[q_idx])
+
+    start = time.perf_counter()
+    mask = create_block_mask(
+        mask_mod, 1, None, len(lens), slots, device="cpu", BLOCK_SIZE=(1, BLOCK)
+    )
+    mask_s = time.perf_counter() - start
+    kf = k.view(-1, KV_HEADS, HEAD_DIM).permute(1, 0, 2)[None].contiguous()
+    vf = v.view(-1, KV_HEADS, HEAD_DIM).permute(1, 0, 2)[None].contiguous()
+    qf = q.transpose(0, 1)[None].contiguous()
+    compiled = torch.compile(flex_attention)
+
+    def run() -> torch.Tensor:
+        out = compiled(qf, kf, vf, block_mask=mask, scale=HEAD_DIM**-0.5, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+    start = time.perf_counter()
+    run()
+    return run, {"block_mask_s": mask_s, "compile_s": time.perf_counter() - start}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--min-len", type=int, default=50)
+    parser.add_argument("--max-len", type=int, default=260)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--no-flex", action="store_true")
+    args = parser.parse_args(argv)
+    rng = random.Random(0)
+    lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.sequences)]
+    counts = [-(-n // BLOCK) for n in lens]
+    pool = list(range(sum(counts) + 64))
+    rng.shuffle(pool)
+    tables = [[pool.pop() for _ in range(c)] for c in counts]
+    torch.manual_seed(0)
+    shape = (sum(counts) + 64, BLOCK, KV_HEADS, HEAD_DIM)
+    k, v, q = torch.randn(shape), torch.randn(shape), torch.randn(len(lens), HEADS, HEAD_DIM)
+    scale = HEAD_DIM**-0.5
+
+    def meta(size: int | None) -> AttentionMetadata:
+        return AttentionMetadata(
+            [(k, v)], torch.empty(0), [], groups(tables, lens, size), SDPABackend()
+        )
+
+    reference = ReferenceBackend().attend(q, k, v, meta(None), scale)
+    paged, sdpa = PagedCPUBackend(), SDPABackend()
+    one_group, groups_of_16 = meta(None), meta(DECODE_GROUP_SIZE)
+    candidates: dict[str, Callable[[], torch.Tensor]] = {
+        "paged-cpu": lambda: paged.attend(q, k, v, one_group, scale),
+        "sdpa": lambda: sdpa.attend(q, k, v, groups_of_16, scale),
+    }
+    print(
+        f"{len(lens)} sequences, {sum(lens)} context tokens, float32, {torch.get_num_threads()} threads"
+    )
+    if not args.no_flex:
+        run, setup = flex_candidate(q, k, v, tables, lens)
+        candidates["flex"] = run
+        print(
+            f"flex: block mask {setup['block_mask_s']:.2f} s, compile + first call {setup['compile_s']:.1f} s"
+        )
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    with torch.inference_mode():
+        for r in range(args.rounds + 1):
+            for name, run in candidates.items():
+                start = time.perf_counter()
+                out = run()
+                if r:
+                    times[name].append(time.perf_counter() - start)
+                else:
+                    diff = (out - reference).abs().max().item()
+                    print(f"{name}: largest difference to the reference {diff:.2e}")
+    base = statistics.median(times["paged-cpu"])
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(
+            f"{name:>9}: {median * 1000:6.2f} ms per layer ({min(values) * 1000:.2f}-"
+            f"{max(values) * 1000:.2f}), x{median / base:.2f} of paged-cpu"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
