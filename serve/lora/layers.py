@@ -25,10 +25,18 @@ which copies no weights."""
 
 @dataclass(frozen=True)
 class BatchedRows:
+    """The step's adapter rows as one padded batch [A adapters, W rows], and the way back."""
+
     slots: torch.Tensor
     """[A]: the slot of each adapter of the step."""
     rows: torch.Tensor
-    """[A, W]: flat token rows of each adapter, padded with the scratch row (= token count)."""
+    """[A * W]: flat token row of each (adapter, position); padding repeats row 0."""
+    padding: torch.Tensor | None
+    """[A, W, 1]: 1.0 at real rows, 0.0 at padding (None: no padding), so padding adds 0."""
+    inverse: torch.Tensor
+    """[T]: for each token row, its (adapter, position) index into the flattened batch."""
+    covered: torch.Tensor | None
+    """[T, 1]: 1.0 for rows with an adapter, 0.0 without (None: every row has one)."""
 
 
 @dataclass
@@ -102,14 +110,18 @@ class LoraLinear(nn.Module):
         return flat_y.view_as(y)
 
     def _batched(self, x: torch.Tensor, y: torch.Tensor, batch: BatchedRows) -> torch.Tensor:
-        """[T, out]: y plus every adapter's delta on its rows, in two bmm calls."""
+        """[T, out]: y plus every adapter's delta on its rows, in two bmm calls; gathers only
+        (on the CPU, index_select is several times faster than index_add_ at these sizes)."""
         a = self.lora_a.index_select(0, batch.slots)  # [A, R, in]
         b = self.lora_b.index_select(0, batch.slots)  # [A, out, R]
-        xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[batch.rows]  # [A, W, in]
+        xs = x.index_select(0, batch.rows).view(len(batch.slots), -1, x.shape[1])  # [A, W, in]
+        if batch.padding is not None:
+            xs = xs * batch.padding
         delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))  # [A, W, out]
-        out = torch.cat([y, y.new_zeros(1, y.shape[1])])
-        out.index_add_(0, batch.rows.flatten(), delta.flatten(0, 1).to(out.dtype))
-        return out[:-1]
+        per_row = delta.flatten(0, 1).index_select(0, batch.inverse)  # [T, out]
+        if batch.covered is not None:
+            per_row = per_row * batch.covered
+        return y + per_row.to(y.dtype)
 
 
 def adaptable_linears(model: nn.Module) -> dict[str, tuple[nn.Module, int, int]]:

@@ -133,13 +133,29 @@ class AdapterManager:
         self.step.batched = None
         width = max((len(rows) for _, rows in groups), default=0)
         if groups and num_tokens <= BATCHED_MAX_TOKENS and len(groups) * width <= 2 * num_tokens:
-            padded = torch.full(
-                (len(groups), width), num_tokens, dtype=torch.long, device=self.device
-            )
-            for i, (_, rows) in enumerate(groups):
-                padded[i, : len(rows)] = rows
-            slots = torch.tensor([slot for slot, _ in groups], device=self.device)
-            self.step.batched = BatchedRows(slots, padded)
+            self.step.batched = self._batched_rows(groups, width, num_tokens)
+
+    def _batched_rows(
+        self, groups: list[tuple[int, torch.Tensor]], width: int, num_tokens: int
+    ) -> BatchedRows:
+        rows = torch.zeros(len(groups), width, dtype=torch.long)
+        padding = torch.zeros(len(groups), width, 1)
+        inverse = torch.zeros(num_tokens, dtype=torch.long)
+        covered = torch.zeros(num_tokens, 1)
+        for i, (_, token_rows) in enumerate(groups):
+            n, cpu_rows = len(token_rows), token_rows.cpu()
+            rows[i, :n] = cpu_rows
+            padding[i, :n] = 1.0
+            inverse[cpu_rows] = i * width + torch.arange(n)
+            covered[cpu_rows] = 1.0
+        dtype, device = self.dtype, self.device
+        return BatchedRows(
+            slots=torch.tensor([slot for slot, _ in groups], device=device),
+            rows=rows.flatten().to(device),
+            padding=None if bool(padding.all()) else padding.to(device, dtype),
+            inverse=inverse.to(device),
+            covered=None if bool(covered.all()) else covered.to(device, dtype),
+        )
 
     def forget_slots(self) -> None:
         """Treat every device slot as empty (after a failed step may have left one half-written)."""
