@@ -28,7 +28,10 @@ class BatchedRows:
     """The step's adapter rows as one padded batch [A adapters, W rows], and the way back."""
 
     slots: torch.Tensor
-    """[A]: the slot of each adapter of the step."""
+    """[A]: the slot of each adapter of the step, ascending."""
+    first_slot: int | None
+    """When the slots are consecutive (the usual case), the first: A and B are then read as a
+    slice of the slot stack instead of copied out of it."""
     rows: torch.Tensor
     """[A * W]: flat token row of each (adapter, position); padding repeats row 0."""
     padding: torch.Tensor | None
@@ -112,8 +115,12 @@ class LoraLinear(nn.Module):
     def _batched(self, x: torch.Tensor, y: torch.Tensor, batch: BatchedRows) -> torch.Tensor:
         """[T, out]: y plus every adapter's delta on its rows, in two bmm calls; gathers only
         (on the CPU, index_select is several times faster than index_add_ at these sizes)."""
-        a = self.lora_a.index_select(0, batch.slots)  # [A, R, in]
-        b = self.lora_b.index_select(0, batch.slots)  # [A, out, R]
+        if batch.first_slot is not None:
+            a = self.lora_a[batch.first_slot : batch.first_slot + len(batch.slots)]  # [A, R, in]
+            b = self.lora_b[batch.first_slot : batch.first_slot + len(batch.slots)]  # [A, out, R]
+        else:
+            a = self.lora_a.index_select(0, batch.slots)
+            b = self.lora_b.index_select(0, batch.slots)
         xs = x.index_select(0, batch.rows).view(len(batch.slots), -1, x.shape[1])  # [A, W, in]
         if batch.padding is not None:
             xs = xs * batch.padding

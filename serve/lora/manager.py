@@ -138,6 +138,9 @@ class AdapterManager:
     def _batched_rows(
         self, groups: list[tuple[int, torch.Tensor]], width: int, num_tokens: int
     ) -> BatchedRows:
+        groups = sorted(groups, key=lambda g: g[0])
+        slots = [slot for slot, _ in groups]
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         rows = torch.zeros(len(groups), width, dtype=torch.long)
         padding = torch.zeros(len(groups), width, 1)
         inverse = torch.zeros(num_tokens, dtype=torch.long)
@@ -150,7 +153,8 @@ class AdapterManager:
             covered[cpu_rows] = 1.0
         dtype, device = self.dtype, self.device
         return BatchedRows(
-            slots=torch.tensor([slot for slot, _ in groups], device=device),
+            slots=torch.tensor(slots, device=device),
+            first_slot=slots[0] if consecutive else None,
             rows=rows.flatten().to(device),
             padding=None if bool(padding.all()) else padding.to(device, dtype),
             inverse=inverse.to(device),

@@ -283,12 +283,15 @@ def test_batched_lora_rows_equal_the_per_adapter_loop() -> None:
         layer.set_slot(slot, torch.randn(rank, 12), torch.randn(20, rank), 0.5)
     x = torch.randn(9, 12)
     groups = [(1, torch.tensor([0, 3, 4, 8])), (2, torch.tensor([6])), (3, torch.tensor([2]))]
-    manager.step.groups, manager.step.batched = groups, None
-    looped = layer(x)
-    manager.step.batched = manager._batched_rows(groups, 4, 9)
-    assert manager.step.batched.padding is not None and manager.step.batched.covered is not None
-    torch.testing.assert_close(layer(x), looped, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(looped, layer.base(x))
+    # consecutive slots in any order (read as a slice), and a gap (slots 1 and 3: copied out)
+    for order, first_slot in ((groups, 1), (groups[::-1], 1), ([groups[0], groups[2]], None)):
+        manager.step.groups, manager.step.batched = order, None
+        looped = layer(x)
+        manager.step.batched = batched = manager._batched_rows(order, 4, 9)
+        assert batched.first_slot == first_slot
+        assert batched.padding is not None and batched.covered is not None
+        torch.testing.assert_close(layer(x), looped, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(looped, layer.base(x))
     untouched = [(3, torch.tensor([0, 1]))]  # slot 3 holds nothing for this layer
     manager.step.groups = untouched
     manager.step.batched = manager._batched_rows(untouched, 2, 9)
