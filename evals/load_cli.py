@@ -134,7 +134,8 @@ def print_summary(result: dict) -> None:
             f"{p['peak_waiting']:>7.0f}"
         )
     for length, sat in result["saturation"].items():
+        estimate = sat["estimated_concurrency"]
         print(
             f"prompt {length}: saturation at concurrency {sat['measured_concurrency']} "
-            f"(estimate from KV budget: {sat['estimated_concurrency']:.1f})"
+            f"(estimate from KV budget: {'unknown' if estimate is None else f'{estimate:.1f}'})"
         )
