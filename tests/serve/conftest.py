@@ -15,6 +15,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
 from compress.artifact import load_kwargs
+from serve import cpu_attention
+
+needs_c_compiler = pytest.mark.skipif(
+    cpu_attention.load_kernel() is None,
+    reason="no C compiler (cc or $CC) to build the paged-cpu kernel: the engine uses SDPA here",
+)
+PAGED_CPU = pytest.param("paged-cpu", marks=needs_c_compiler)
+"""The paged-cpu backend as a parameter: skipped, saying why, where its kernel cannot be built."""
 
 ARCHITECTURES = {
     "llama": LlamaConfig,

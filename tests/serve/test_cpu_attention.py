@@ -13,6 +13,7 @@ from serve import cpu_attention
 from serve.attention import AttentionMetadata, DecodeGroup, ReferenceBackend
 from serve.config import CacheConfig, ModelConfig
 from serve.engine import LLMEngine
+from tests.serve.conftest import needs_c_compiler
 
 
 def scattered_decode(
@@ -38,6 +39,7 @@ def scattered_decode(
     return q, k, v, group
 
 
+@needs_c_compiler
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(8, 4, 64, 8), (4, 4, 32, 16), (9, 3, 80, 8), (16, 1, 128, 5)],
@@ -53,6 +55,7 @@ def test_decode_kernel_equals_the_reference(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@needs_c_compiler
 def test_bfloat16_decode_kernel_is_float32_math_rounded_once() -> None:
     """bf16 inputs, float32 accumulation, one rounding of the output: within bf16's precision
     of the reference computed in float32 from the same bf16 inputs."""
@@ -85,6 +88,7 @@ def test_without_a_compiler_auto_keeps_sdpa_and_paged_cpu_names_the_fix(
         engine("paged-cpu")
 
 
+@needs_c_compiler
 def test_auto_picks_the_kernel_on_the_cpu(model_dirs: dict[str, Path]) -> None:
     config = ModelConfig(str(model_dirs["llama"]), dtype="float32", device="cpu")
     engine = LLMEngine(config, CacheConfig(num_blocks=16))

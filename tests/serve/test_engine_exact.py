@@ -11,14 +11,14 @@ import pytest
 from serve import LLMEngine, SamplingParams
 from serve.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.scheduler import SchedulerOutput
-from tests.serve.conftest import Case, make_cases, reference_outputs
+from tests.serve.conftest import PAGED_CPU, Case, make_cases, reference_outputs
 
 
 def make_engine(
     model_dir: Path,
     num_blocks: int = 512,
     budget: int = 2048,
-    backend: str = "paged-cpu",
+    backend: str = "auto",
     **sched: int,
 ) -> LLMEngine:
     return LLMEngine(
@@ -75,7 +75,7 @@ def assert_equal(outputs: dict[int, list[int]], reference: list[list[int]], ids:
         )
 
 
-@pytest.mark.parametrize("backend", ["paged-cpu", "sdpa"])
+@pytest.mark.parametrize("backend", [PAGED_CPU, "sdpa"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_ample_kv(
     arch: str, backend: str, model_dirs: dict[str, Path], cases: list[Case], references: dict
@@ -92,7 +92,7 @@ def test_reference_backend_agrees(
     assert_equal(run(engine, cases[:12]), references["llama"], list(range(12)))
 
 
-@pytest.mark.parametrize("backend", ["paged-cpu", "sdpa"])
+@pytest.mark.parametrize("backend", [PAGED_CPU, "sdpa"])
 def test_tiny_kv_pool_preempts_repeatedly(
     backend: str, model_dirs: dict[str, Path], cases: list[Case], references: dict
 ) -> None:
