@@ -47,7 +47,7 @@ def _size(text: str) -> int:
 API_KEY_ENV = "WORKBENCH_API_KEY"
 
 
-def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer in [low, high]."""
 
     def parse(text: str) -> int:
@@ -81,7 +81,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument(
         "--port",
-        type=_int_in(0, 65535),
+        type=int_in(0, 65535),
         default=8000,
         help="port to bind (default 8000; 0 = any free)",
     )
@@ -97,7 +97,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-waiting",
-        type=_int_in(1),
+        type=int_in(1),
         default=256,
         help="queued requests beyond which new ones get 503 + Retry-After",
     )
@@ -115,7 +115,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("engine")
     g.add_argument(
-        "--block-size", type=_int_in(1, 1024), default=8, help="tokens per KV block (default 8)"
+        "--block-size", type=int_in(1, 1024), default=8, help="tokens per KV block (default 8)"
     )
     g.add_argument(
         "--kv-cache-memory",
@@ -130,17 +130,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="fraction of free GPU memory for the KV cache when --kv-cache-memory is not given",
     )
     g.add_argument(
-        "--max-num-seqs", type=_int_in(1), default=64, help="most requests running at once"
+        "--max-num-seqs", type=int_in(1), default=64, help="most requests running at once"
     )
     g.add_argument(
         "--max-num-batched-tokens",
-        type=_int_in(1),
+        type=int_in(1),
         default=1024,
         help="token budget per step; longer prompts are prefilled in chunks",
     )
     g.add_argument(
         "--max-model-len",
-        type=_int_in(1),
+        type=int_in(1),
         help="most tokens (prompt + output) per request (default and maximum: the model's "
         "position limit)",
     )
@@ -164,7 +164,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "or bfloat16, needs a C compiler), sdpa (gathered blocks, any device), reference "
         "(per-sequence loop); auto: paged-cpu where it runs, else sdpa",
     )
-    g.add_argument("--threads", type=_int_in(1), help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--threads", type=int_in(1), help="torch CPU threads (default: torch's choice)")
     g.add_argument(
         "--no-prepack-linears",
         action="store_true",
@@ -180,18 +180,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-loras",
-        type=_int_in(1),
+        type=int_in(1),
         help="distinct adapters per step, i.e. device slots (turns LoRA serving on; 4 when only --lora is given)",
     )
     g.add_argument(
         "--max-lora-rank",
-        type=_int_in(1),
+        type=int_in(1),
         default=16,
         help="largest adapter rank served; slots are padded to it",
     )
     g.add_argument(
         "--max-cpu-loras",
-        type=_int_in(1),
+        type=int_in(1),
         default=16,
         help="adapters kept loaded on the host; loading one more is refused (409) unless the "
         'request says "evict": true',
@@ -211,7 +211,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument(
         "--seed",
-        type=_int_in(0, 2**64 - 1),
+        type=int_in(0, 2**64 - 1),
         default=0,
         help="seed of the sampler for requests without their own seed",
     )

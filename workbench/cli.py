@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from evals.load_cli import add_bench_arguments
-from serve.server_cli import add_serve_arguments
+from serve.server_cli import add_serve_arguments, int_in
 from workbench.distributed import is_main
 from workbench.pipeline import Pipeline, PipelineError, VariantResult
 from workbench.recipe import Recipe, RecipeError, load_recipe
@@ -230,10 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--keep-checkpoints",
-        type=int,
+        type=int_in(1),
         default=1,
         metavar="N",
-        help="training checkpoints kept per step while it trains (default 1: the newest)",
+        help="training checkpoints kept per step while it trains (default 1: the newest, which "
+        "an interrupted step resumes from; at least 1)",
     )
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("demo-model", help="build (first use) and describe the offline demo model")

@@ -163,3 +163,16 @@ def test_training_keeps_only_the_newest_checkpoints(
     train(model, rows, lambda m, batch: m(batch).pow(2).mean(), config, checkpoint_dir=tmp_path)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == left
     assert (tmp_path / "latest").read_text() == "step-4"
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_keep_checkpoints_below_one_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    """0 used to be accepted and silently kept 1 (the newest is what an interrupted step resumes
+    from): the flag now says what it allows before anything runs."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(tmp_path / "recipe.yaml"), "--keep-checkpoints", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--keep-checkpoints" in err and ("allowed: >= 1" in err or "not an integer" in err)
