@@ -23,37 +23,11 @@ from collections.abc import Callable
 
 import torch
 
-from serve.attention import (
-    DECODE_GROUP_SIZE,
-    AttentionMetadata,
-    DecodeGroup,
-    ReferenceBackend,
-    SDPABackend,
-)
+from serve.attention import DECODE_GROUP_SIZE, AttentionMetadata, ReferenceBackend, SDPABackend
 from serve.cpu_attention import PagedCPUBackend
+from serve.step_inputs import decode_groups
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 8
-
-
-def groups(tables: list[list[int]], lens: list[int], size: int | None) -> list[DecodeGroup]:
-    order = sorted(range(len(lens)), key=lambda i: lens[i])
-    size = size or len(order)
-    out = []
-    for start in range(0, len(order), size):
-        members = order[start : start + size]
-        width = max(len(tables[i]) for i in members)
-        seq_lens = torch.tensor([lens[i] for i in members])
-        out.append(
-            DecodeGroup(
-                rows=torch.tensor(members),
-                block_tables=torch.tensor(
-                    [tables[i] + [0] * (width - len(tables[i])) for i in members]
-                ),
-                mask=(torch.arange(width * BLOCK)[None] < seq_lens[:, None])[:, None, None],
-                seq_lens=seq_lens,
-            )
-        )
-    return out
 
 
 def flex_candidate(
@@ -111,10 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     k, v, q = torch.randn(shape), torch.randn(shape), torch.randn(len(lens), HEADS, HEAD_DIM)
     scale = HEAD_DIM**-0.5
 
+    rows, cpu = list(range(len(lens))), torch.device("cpu")
+
     def meta(size: int | None) -> AttentionMetadata:
-        return AttentionMetadata(
-            [(k, v)], torch.empty(0), [], groups(tables, lens, size), SDPABackend()
-        )
+        groups = decode_groups(rows, tables, lens, BLOCK, size, cpu)
+        return AttentionMetadata([(k, v)], torch.empty(0), [], groups, SDPABackend())
 
     reference = ReferenceBackend().attend(q, k, v, meta(None), scale)
     paged, sdpa = PagedCPUBackend(), SDPABackend()
@@ -123,15 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         "paged-cpu": lambda: paged.attend(q, k, v, one_group, scale),
         "sdpa": lambda: sdpa.attend(q, k, v, groups_of_16, scale),
     }
-    print(
-        f"{len(lens)} sequences, {sum(lens)} context tokens, float32, {torch.get_num_threads()} threads"
-    )
+    threads = torch.get_num_threads()
+    print(f"{len(lens)} sequences, {sum(lens)} context tokens, float32, {threads} threads")
     if not args.no_flex:
         run, setup = flex_candidate(q, k, v, tables, lens)
         candidates["flex"] = run
-        print(
-            f"flex: block mask {setup['block_mask_s']:.2f} s, compile + first call {setup['compile_s']:.1f} s"
-        )
+        mask_s, compile_s = setup["block_mask_s"], setup["compile_s"]
+        print(f"flex: block mask {mask_s:.2f} s, compile + first call {compile_s:.1f} s")
     times: dict[str, list[float]] = {name: [] for name in candidates}
     with torch.inference_mode():
         for r in range(args.rounds + 1):

@@ -190,9 +190,10 @@ def engine_for(
     )
 
 
-def load_baseline_model(model_dir: Path) -> PreTrainedModel:
+def load_baseline_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """transformers' own model with SDPA attention: the baseline of the engine benchmarks."""
     return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+        model_dir, dtype=dtype, attn_implementation="sdpa"
     ).eval()
 
 

@@ -109,10 +109,12 @@ def gauge(m: dict[str, float], kind: str) -> float:
     return next((m[name] for name in GAUGES[kind] if name in m), 0.0)
 
 
-def safe_read_metrics(text: str) -> dict[str, float]:
-    """Metrics of a server that may not export Prometheus text at /metrics: {} then."""
+def metrics_of(response: httpx.Response) -> dict[str, float]:
+    """A /metrics response of a server that may not export Prometheus text there: {} then."""
+    if response.status_code != 200:
+        return {}
     try:
-        return read_metrics(text)
+        return read_metrics(response.text)
     except ValueError:
         return {}
 
@@ -128,8 +130,7 @@ class MetricsWatcher:
         self.end: dict[str, float] = {}
 
     async def sample(self) -> dict[str, float]:
-        response = await self.client.get(f"{self.url}/metrics")
-        m = safe_read_metrics(response.text) if response.status_code == 200 else {}
+        m = metrics_of(await self.client.get(f"{self.url}/metrics"))
         self.peak_kv = max(self.peak_kv, gauge(m, "kv"))
         self.peak_waiting = max(self.peak_waiting, gauge(m, "waiting"))
         return m
@@ -210,8 +211,7 @@ def server_info(url: str) -> dict[str, float | str | None]:
     """The served model and, from this server's metrics, its KV cache; any other
     OpenAI-compatible server (vLLM, ...) gets None where it does not say."""
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
-    response = httpx.get(f"{url}/metrics", timeout=30)
-    m = safe_read_metrics(response.text) if response.status_code == 200 else {}
+    m = metrics_of(httpx.get(f"{url}/metrics", timeout=30))
     info = "workbench:cache_config_info"
     return {
         "model": model["id"],
@@ -236,8 +236,9 @@ def sweep(
     info = server_info(url)
     if model is not None:
         info["model"] = model
-    known = info["kv_blocks"] is not None and info["block_size"] is not None
-    kv_tokens = float(info["kv_blocks"]) * float(info["block_size"]) if known else None  # type: ignore[arg-type]
+    blocks, block_size = info["kv_blocks"], info["block_size"]
+    known = blocks is not None and block_size is not None
+    kv_tokens = float(blocks) * float(block_size) if known else None  # type: ignore[arg-type]
     result: dict = {"server": info, "kv_tokens": kv_tokens, "points": [], "saturation": {}}
     total = len(concurrency) * len(prompt_lens)
     with tqdm(total=total, desc=f"load {info['model']}", unit="point") as bar:

@@ -20,12 +20,13 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
+from evals.engine_bench import default_llama_25m, load_baseline_model
 from serve.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.engine import LLMEngine
 from serve.sampling_params import SamplingParams
@@ -116,7 +117,10 @@ class Cell:
 
     name: str
     runs: dict[str, Callable[[str], float]]
-    times: dict[str, list[float]]
+    times: dict[str, list[float]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.times = {system: [] for system in self.runs}
 
     def line(self) -> str:
         first = next(iter(self.times))
@@ -152,9 +156,7 @@ def measure(
                 lambda tag, e=engine: engine_prefill(e, prefill, tag),
             )
         elif name in GENERATE_SYSTEMS:
-            hf = AutoModelForCausalLM.from_pretrained(
-                model, dtype=GENERATE_SYSTEMS[name], attn_implementation="sdpa"
-            ).eval()
+            hf = load_baseline_model(model, GENERATE_SYSTEMS[name])
             runs[name] = (
                 lambda n, tag, m=hf: generate_decode_step(m, n, context),
                 lambda tag, m=hf: generate_prefill(m, prefill),
@@ -166,13 +168,10 @@ def measure(
         Cell(
             f"decode step, {n:2d} sequences",
             {s: (lambda tag, r=r, n=n: r[0](n, tag)) for s, r in runs.items()},
-            {s: [] for s in runs},
         )
         for n in BATCHES
     ]
-    cells.append(
-        Cell(f"prefill {prefill} tokens", {s: r[1] for s, r in runs.items()}, {s: [] for s in runs})
-    )
+    cells.append(Cell(f"prefill {prefill} tokens", {s: r[1] for s, r in runs.items()}))
     with torch.inference_mode():
         for cell in cells:
             for r in range(rounds + 1):
@@ -186,8 +185,6 @@ def measure(
 
 def resolve_model(value: str | None) -> Path:
     if value in (None, "llama-25m"):
-        from evals.engine_bench import default_llama_25m
-
         return default_llama_25m()
     if value == "demo":
         from workbench.demo import ensure_demo_model

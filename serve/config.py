@@ -61,8 +61,8 @@ class ModelConfig:
     compiler), `sdpa` (gathered blocks, any device) or `reference` (plain per-sequence loop);
     auto: paged-cpu where it runs, else sdpa."""
     prepack_linears: bool = True
-    """On the CPU in float32 or bfloat16: run plain linear layers through oneDNN with prepacked weights
-    (`serve/cpu_linear.py`); False keeps `F.linear`."""
+    """On the CPU in float32 or bfloat16: run plain linear layers through oneDNN with prepacked
+    weights (`serve/cpu_linear.py`); False keeps `F.linear`."""
 
 
 DEFAULT_MAX_MODEL_LEN = 2048

@@ -8,9 +8,8 @@ sums in float32.
 
 The library is compiled once per (source, compiler, CPU) into `$WORKBENCH_CACHE_DIR/kernels`
 with the C compiler `$CC` (default `cc`), `-O3 -march=native -ffast-math -fopenmp`, in about
-half a second.
-Its OpenMP runtime is the one torch already loaded (same soname), so the two share one pool of
-threads. Where no compiler works, `load_kernel` returns None and the engine keeps SDPA.
+half a second. Its OpenMP runtime is the one torch already loaded (same soname), so the two
+share one pool of threads. Where no compiler works, `load_kernel` returns None and the engine keeps SDPA.
 NOTE: results equal SDPA's up to float32 rounding (about 1e-6 relative); the engine tests stay
 token-exact against `generate`.
 """
@@ -114,6 +113,7 @@ def load_kernel() -> ctypes.CDLL | None:
 
 MAX_GROUP, MAX_HEAD_DIM = 16, 512
 """The kernel's limits: query heads per KV head, and head dim."""
+NEEDS_COMPILER = "it needs a C compiler (gcc or clang as `cc`, or $CC) to build its kernel"
 
 
 def unsupported_reason(
@@ -129,7 +129,7 @@ def unsupported_reason(
             f"{MAX_HEAD_DIM} (here: {heads} heads, {kv_heads} KV heads, head dim {head_dim})"
         )
     if load_kernel() is None:
-        return "it needs a C compiler (gcc or clang as `cc`, or $CC) to build its kernel"
+        return NEEDS_COMPILER
     return None
 
 
@@ -140,8 +140,8 @@ class PagedCPUBackend(SDPABackend):
         lib = load_kernel()
         if lib is None:
             raise ValueError(
-                "the paged-cpu attention backend needs a C compiler (gcc or clang as `cc`, or "
-                "$CC) to build its kernel; install one, or use --attention-backend sdpa"
+                f"the paged-cpu attention backend cannot run here: {NEEDS_COMPILER}; install "
+                "one, or use --attention-backend sdpa"
             )
         self.lib = lib
 
@@ -192,6 +192,7 @@ class PagedCPUBackend(SDPABackend):
         if rc != 0:
             raise RuntimeError(
                 f"paged decode kernel failed (code {rc}): heads {heads}, kv heads {kv_heads}, "
-                f"head dim {head_dim} (at most 16 query heads per KV head, head dim <= 512)"
+                f"head dim {head_dim} (at most {MAX_GROUP} query heads per KV head, head dim <= "
+                f"{MAX_HEAD_DIM})"
             )
         return out

@@ -36,8 +36,8 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replace every plain float32 or bfloat16 CPU `nn.Linear` (not subclasses: quantized layers keep their
-    own kernels) by a `PackedLinear`; returns how many were replaced."""
+    """Replace every plain float32 or bfloat16 CPU `nn.Linear` (not subclasses: quantized layers
+    keep their own kernels) by a `PackedLinear`; returns how many were replaced."""
     targets = [
         (name, m)
         for name, m in model.named_modules()

@@ -119,20 +119,21 @@ def make_backend(
     name: str, model: PreTrainedModel, device: torch.device, layout: KVLayout
 ) -> AttentionBackend:
     """auto: `paged-cpu` where its kernel runs (CPU, float32 or bfloat16, a C compiler), else
-    `sdpa`. An explicit `paged-cpu` that cannot run is refused with the reason."""
-    heads = model.config.get_text_config().num_attention_heads
-    why_not = cpu_attention.unsupported_reason(
-        device, layout.dtype, heads, layout.num_kv_heads, layout.head_dim
-    )
-    if name == "auto":
-        name = "sdpa" if why_not else "paged-cpu"
-    if name == "paged-cpu":
-        if why_not:
+    `sdpa`. An explicit `paged-cpu` that cannot run is refused with the reason; only these two
+    names build the kernel."""
+    if name in ("auto", "paged-cpu"):
+        heads = model.config.get_text_config().num_attention_heads
+        why_not = cpu_attention.unsupported_reason(
+            device, layout.dtype, heads, layout.num_kv_heads, layout.head_dim
+        )
+        if name == "paged-cpu" and why_not:
             raise ValueError(
                 f"the paged-cpu attention backend cannot run here: {why_not}; "
                 "use --attention-backend sdpa"
             )
-        return cpu_attention.PagedCPUBackend()
+        if not why_not:
+            return cpu_attention.PagedCPUBackend()
+        name = "sdpa"
     if name == "sdpa":
         return SDPABackend()
     if name == "reference":

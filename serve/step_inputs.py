@@ -49,7 +49,7 @@ def _logits_rows(
     return rows, sample_rows, prompt_rows
 
 
-def _decode_groups(
+def decode_groups(
     rows: list[int],
     tables: list[list[int]],
     lens: list[int],
@@ -57,6 +57,8 @@ def _decode_groups(
     group_size: int | None,
     device: torch.device,
 ) -> list[DecodeGroup]:
+    """Decoding sequences (flat query row, block table, tokens in context) sorted by length and
+    cut into groups of `group_size` (None: one group), block tables padded with block 0."""
     order = sorted(range(len(rows)), key=lambda i: lens[i])
     size = group_size or max(len(order), 1)
     groups = []
@@ -111,7 +113,7 @@ def build_step_inputs(
         kv_caches=kv_caches,
         slot_mapping=as_long(slots),
         prefills=prefills,
-        decodes=_decode_groups(
+        decodes=decode_groups(
             decode_rows, decode_tables, decode_lens, block_size, backend.decode_group_size, device
         ),
         backend=backend,

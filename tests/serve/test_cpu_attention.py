@@ -13,29 +13,25 @@ from serve import cpu_attention
 from serve.attention import AttentionMetadata, DecodeGroup, ReferenceBackend
 from serve.config import CacheConfig, ModelConfig
 from serve.engine import LLMEngine
+from serve.step_inputs import decode_groups
 from tests.serve.conftest import needs_c_compiler
 
 
 def scattered_decode(
     lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeGroup]:
-    """Random q and caches; each sequence's blocks drawn at random from a shuffled pool."""
+    """Random q and caches; each sequence's blocks drawn at random from a shuffled pool; the
+    decode group built as a step builds it."""
     rng = random.Random(0)
     counts = [-(-n // block_size) for n in lens]
     free = list(range(sum(counts) + 5))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(c)] for c in counts]
-    width = max(counts)
     shape = (sum(counts) + 5, block_size, kv_heads, head_dim)
     k, v = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
     q = torch.randn(len(lens), heads, head_dim).to(dtype)
-    seq_lens = torch.tensor(lens)
-    group = DecodeGroup(
-        rows=torch.arange(len(lens)),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        mask=(torch.arange(width * block_size)[None] < seq_lens[:, None])[:, None, None],
-        seq_lens=seq_lens,
-    )
+    rows = list(range(len(lens)))
+    (group,) = decode_groups(rows, tables, lens, block_size, None, torch.device("cpu"))
     return q, k, v, group
 
 
