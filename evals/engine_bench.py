@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from evals.step_bench import resolve_model
+    from serve.host_memory import keep_freed_memory
 
     parser = argparse.ArgumentParser(prog="workbench bench-engine", description=__doc__)
     parser.add_argument(
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         help="models whose paged-vs-contiguous concurrency is measured (256 requests each)",
     )
     args = parser.parse_args(argv)
+    keep_freed_memory()  # before any system runs: the baselines get it too
     torch.set_num_threads(args.threads)
     results = {"threads": args.threads, "models": []}
     for name in args.models.split(","):

@@ -1,0 +1,54 @@
+"""Malloc tuning for CPU forwards: on by default with glibc, off where the user says so or tuned
+malloc already (it is process-wide, so each case runs in its own interpreter)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MODULE = Path(__file__).parents[2] / "serve" / "host_memory.py"
+PROBE = (  # the module alone: importing the serve package would load torch (seconds per case)
+    f"import importlib.util as u; s = u.spec_from_file_location('host_memory', {str(MODULE)!r}); "
+    "m = u.module_from_spec(s); s.loader.exec_module(m); "
+    "print(m.keep_freed_memory(), m.keep_freed_memory())"
+)
+
+
+def tuned(**env: str) -> str:
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return result.stdout.strip()
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc tuning applies to glibc")
+def test_keep_freed_memory_tunes_glibc_once() -> None:
+    assert tuned() == "True True"
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"WORKBENCH_KEEP_FREED_MEMORY": "0"},
+        {"MALLOC_MMAP_THRESHOLD_": "1048576"},
+        {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"},
+        {"LD_PRELOAD": "/nonexistent/libtcmalloc_minimal.so.4"},
+    ],
+    ids=["off-switch", "malloc-env", "glibc-tunables", "preloaded-allocator"],
+)
+def test_keep_freed_memory_leaves_a_user_choice_alone(env: dict[str, str]) -> None:
+    assert tuned(**env) == "False False"
