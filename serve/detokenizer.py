@@ -1,0 +1,55 @@
+"""Incremental detokenization: each step decodes a few tokens, not the whole output.
+
+Model (vLLM's prefix/read offsets): the text is final up to `read_offset` output tokens. A step
+decodes the window `[prefix_offset, len)` and the already-read part `[prefix_offset,
+read_offset)`; what the first adds to the second is the new text. The window starts a few tokens
+back so that tokenizers which merge neighbours (SentencePiece's leading space, byte-level BPE's
+multi-byte characters) see context. Text that ends in U+FFFD (an incomplete UTF-8 sequence) is held
+back until the bytes that complete it arrive (or the request ends: then the text is what a
+whole-output decode gives). Stop strings are searched only where a match can
+newly appear: the new text and the `longest stop - 1` characters before it.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.longest_stop = max((len(s) for s in self.stop), default=0)
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def update(self, output_token_ids: list[int], final: bool = False) -> str:
+        """Extend `text` with what `output_token_ids` (all of them so far) add; returns the new
+        text. `final`: the request ends here, so an incomplete character is not held back.
+        After a stop string is found, `text` ends before it and `stopped` is True."""
+        if self.stopped or len(output_token_ids) <= self.read_offset:
+            return ""
+        read = self._decode(output_token_ids[self.prefix_offset : self.read_offset])
+        window = self._decode(output_token_ids[self.prefix_offset :])
+        if len(window) <= len(read) or (window.endswith(REPLACEMENT) and not final):
+            return ""  # nothing printable yet (a special token, or a character not complete)
+        new = window[len(read) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(output_token_ids)
+        start = len(self.text)
+        self.text += new
+        if self.stop:
+            self._find_stop(max(0, start - self.longest_stop + 1))
+        return self.text[start:]
+
+    def _find_stop(self, search_from: int) -> None:
+        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
