@@ -2,7 +2,11 @@
 a decode step at 1, 16 and 64 running sequences, and the prefill of 1,024 prompt tokens.
 
 `python -m evals.step_bench [--model DIR|demo|llama-25m|smollm2] [--systems engine,sdpa,generate]
-[--rounds 3] [--context 128]`
+[--rounds 3] [--context 128] [--device cpu|cuda]`
+
+Engine systems: engine (defaults), engine-bf16, engine-compile and engine-bf16-compile
+(`--compile`: graphs built when the system is set up, not timed), sdpa (the gather backend),
+sdpa-flinear (also without prepacked linears). Baselines: generate, generate-bf16.
 
 - engine systems: `n` requests of `context` prompt tokens are prefilled, then 32 decode steps are
   timed (`engine.step()`, all of it: schedule, inputs, forward, sample, update). Prefill: one
@@ -29,6 +33,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from evals.engine_bench import default_llama_25m, load_baseline_model
 from serve.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.engine import LLMEngine
+from serve.host_memory import keep_freed_memory
 from serve.sampling_params import SamplingParams
 
 DECODE_STEPS = 32
@@ -40,11 +45,14 @@ class EngineSystem:
     backend: str = "auto"
     prepack: bool = True
     dtype: str = "float32"
+    compile: bool = False
 
 
 ENGINE_SYSTEMS = {
     "engine": EngineSystem(),
     "engine-bf16": EngineSystem(dtype="bfloat16"),
+    "engine-compile": EngineSystem(compile=True),
+    "engine-bf16-compile": EngineSystem(dtype="bfloat16", compile=True),
     "sdpa": EngineSystem(backend="sdpa"),
     "sdpa-flinear": EngineSystem(backend="sdpa", prepack=False),
 }
@@ -55,9 +63,11 @@ def prompt_ids(i: int, length: int, vocab: int) -> list[int]:
     return [(i * 131 + j * 7919) % (vocab - 10) + 10 for j in range(length)]
 
 
-def make_engine(model: Path, system: EngineSystem, prefill: int) -> LLMEngine:
+def make_engine(model: Path, system: EngineSystem, prefill: int, device: str = "cpu") -> LLMEngine:
     return LLMEngine(
-        ModelConfig(str(model), system.dtype, "cpu", system.backend, system.prepack),
+        ModelConfig(
+            str(model), system.dtype, device, system.backend, system.prepack, system.compile
+        ),
         CacheConfig(num_blocks=4096, block_size=8),
         SchedulerConfig(
             max_num_seqs=max(BATCHES),
@@ -95,9 +105,17 @@ def _generate(model: PreTrainedModel, ids: torch.Tensor, new: int) -> float:
     config = GenerationConfig(
         max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
     )
+    ids = ids.to(model.device)
+    _synchronize(model.device)
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    _synchronize(model.device)
     return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def generate_decode_step(model: PreTrainedModel, n: int, context: int) -> float:
@@ -145,18 +163,20 @@ def measure(
     context: int,
     prefill: int,
     log: Callable[[str], None] = print,
+    device: str = "cpu",
 ) -> list[Cell]:
-    """Every system's decode step at 1/16/64 sequences and its prefill, alternating per round."""
+    """Every system's decode step at 1/16/64 sequences and its prefill, alternating per round
+    (engine steps end in a host copy of the sampled tokens, so CUDA times are complete)."""
     runs: dict[str, tuple[Callable[[int, str], float], Callable[[str], float]]] = {}
     for name in systems:
         if name in ENGINE_SYSTEMS:
-            engine = make_engine(model, ENGINE_SYSTEMS[name], prefill)
+            engine = make_engine(model, ENGINE_SYSTEMS[name], prefill, device)
             runs[name] = (
                 lambda n, tag, e=engine: engine_decode_step(e, n, context, tag),
                 lambda tag, e=engine: engine_prefill(e, prefill, tag),
             )
         elif name in GENERATE_SYSTEMS:
-            hf = load_baseline_model(model, GENERATE_SYSTEMS[name])
+            hf = load_baseline_model(model, GENERATE_SYSTEMS[name]).to(device)
             runs[name] = (
                 lambda n, tag, m=hf: generate_decode_step(m, n, context),
                 lambda tag, m=hf: generate_prefill(m, prefill),
@@ -204,9 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--prefill", type=int, default=1024, help="prompt tokens of the prefill")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N], for every system")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # before any system runs: the baselines get it too
     measure(
-        resolve_model(args.model), args.systems.split(","), args.rounds, args.context, args.prefill
+        resolve_model(args.model),
+        args.systems.split(","),
+        args.rounds,
+        args.context,
+        args.prefill,
+        device=args.device,
     )
     return 0
 

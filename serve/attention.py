@@ -1,10 +1,13 @@
 """Paged attention plugged into transformers' attention interface.
 
-Model: the runner calls the HF model on one flattened (ragged) row of every scheduled token, and
-passes `paged=AttentionMetadata` through the forward kwargs. transformers calls `paged_attention`
-in every attention layer with that row's queries, keys and values (RoPE applied). It writes the
-new keys and values into their cache slots (`slot_mapping`), then attends each sequence's queries
-over that sequence's blocks (`block_tables`, `seq_lens`), causally within the step's chunk.
+Model: the runner calls the HF model on one flattened (ragged) row of every scheduled token
+inside `step_context(AttentionMetadata)` (the step's forward context, as vLLM's: per thread, so
+the model's own call signature stays tensors only and `torch.compile` sees no Python metadata).
+transformers calls `paged_attention` in every attention layer with that row's queries, keys and
+values (RoPE applied). It writes the new keys and values into their cache slots
+(`slot_mapping`), then attends each sequence's queries over that sequence's blocks
+(`block_tables`, `seq_lens`), causally within the step's chunk. Under `torch.compile` the layer
+is the opaque custom op `workbench::paged_attention`.
 
 Backends implement `attend`: `SDPABackend` gathers each sequence's blocks and runs
 `scaled_dot_product_attention` (decoding sequences in batched calls of similar lengths), on any
@@ -15,6 +18,9 @@ to test against.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -162,6 +168,50 @@ class ReferenceBackend:
         return out
 
 
+_step = threading.local()
+
+
+@contextmanager
+def step_context(meta: AttentionMetadata) -> Iterator[None]:
+    """Make `meta` the attention metadata of every layer called inside, on this thread."""
+    previous = getattr(_step, "meta", None)
+    _step.meta = meta
+    try:
+        yield
+    finally:
+        _step.meta = previous
+
+
+def _attend_layer(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    """[1, H, T, D] queries (and KV-head keys/values) in, [1, T, H, D] out."""
+    meta: AttentionMetadata | None = getattr(_step, "meta", None)
+    if meta is None:
+        raise RuntimeError(
+            "paged attention was called outside step_context(); run the model through ModelRunner"
+        )
+    k_cache, v_cache = meta.kv_caches[layer_idx]
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    return meta.backend.attend(query[0].transpose(0, 1), k_cache, v_cache, meta, scale)[None]
+
+
+@torch.library.custom_op("workbench::paged_attention", mutates_args=())
+def paged_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    """The layer as one opaque op for `torch.compile` (it writes the step's KV cache slots, which
+    are not arguments: each layer's cache is read only by that layer's own op)."""
+    return _attend_layer(query, key, value, layer_idx, scale)
+
+
+@paged_attention_op.register_fake
+def _(query, key, value, layer_idx, scale):  # type: ignore[no-untyped-def]
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -173,14 +223,10 @@ def paged_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: [1, H, T, D] in, [1, T, H, D] out."""
-    meta: AttentionMetadata = kwargs["paged"]
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
-    scale = scaling if scaling is not None else head_dim**-0.5
-    out = meta.backend.attend(query[0].transpose(0, 1), k_cache, v_cache, meta, scale)
-    return out.unsqueeze(0), None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if torch.compiler.is_compiling():
+        return paged_attention_op(query, key, value, module.layer_idx, scale), None
+    return _attend_layer(query, key, value, module.layer_idx, scale), None
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)

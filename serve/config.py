@@ -63,6 +63,9 @@ class ModelConfig:
     prepack_linears: bool = True
     """On the CPU in float32 or bfloat16: run plain linear layers through oneDNN with prepacked
     weights (`serve/cpu_linear.py`); False keeps `F.linear`."""
+    compile: bool = False
+    """Run each step's forward through `torch.compile` (`serve/compilation.py`): graphs for the
+    step shapes are compiled at load (seconds to minutes), float models without LoRA only."""
 
 
 DEFAULT_MAX_MODEL_LEN = 2048

@@ -25,7 +25,23 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.packed_weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+@torch.library.custom_op("workbench::packed_linear", mutates_args=())
+def packed_linear(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """The prepacked product as an opaque op for `torch.compile`: inductor lowers oneDNN's linear
+    only for weights it froze itself, and with dynamic shapes it does not pick oneDNN at all."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed_weight, bias, out_features):  # type: ignore[no-untyped-def]
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)

@@ -22,8 +22,11 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from serve.compilation import why_not_compilable
 from serve.config import CacheConfig, ModelConfig, SchedulerConfig, with_model_limit
 from serve.cpu_linear import can_prepack, prepack_linears
+from serve.detokenizer import IncrementalDetokenizer
+from serve.host_memory import keep_freed_memory
 from serve.kv_cache_manager import cdiv
 from serve.lora.adapter import Adapter
 from serve.lora.manager import AdapterManager, LoraConfig
@@ -91,6 +94,8 @@ class LLMEngine:
     ) -> None:
         device = resolve_device(model.device)
         dtype = resolve_dtype(model.dtype, device)
+        if device.type == "cpu":
+            keep_freed_memory()
         self.model_config = model
         self.cache_config = cache = cache or CacheConfig()
         hf_model, self.tokenizer = loaded or (
@@ -103,7 +108,11 @@ class LLMEngine:
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         if model.prepack_linears and can_prepack(device, dtype):
             prepack_linears(hf_model)
-        self.runner = ModelRunner(hf_model, cache, device, model.attention_backend)
+        if model.compile and (why_not := why_not_compilable(hf_model, lora is not None)):
+            raise ValueError(f"--compile cannot be used here: {why_not}; drop --compile")
+        self.runner = ModelRunner(
+            hf_model, cache, device, model.attention_backend, compile_model=model.compile
+        )
         self.adapters = (
             AdapterManager(hf_model, lora, device, self.runner.layout.dtype) if lora else None
         )
@@ -111,7 +120,7 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler, self.runner.num_blocks, cache.block_size, max_loras)
         self.sampler = Sampler(seed)
         self._arrivals = itertools.count()
-        self._texts: dict[str, str] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.timings: dict[str, float] = defaultdict(float)
         self.num_steps = 0
         self.last_step_tokens = 0
@@ -152,7 +161,7 @@ class LLMEngine:
             arrival_index=next(self._arrivals),
         )
         self.scheduler.add_request(request)
-        self._texts[request_id] = ""
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return request
 
     def _validate(
@@ -185,7 +194,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is; its blocks are free when this returns."""
-        self._texts.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
         return self.scheduler.finish(request_id, FinishReason.ABORT) is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -309,29 +318,20 @@ class LLMEngine:
         for request_id, request in requests.items():
             if request_id not in tokens and request_id not in done:
                 continue
-            text = self._detokenize(request)
-            if (
-                not request.is_finished
-                and (stop_at := self._stop_position(text, request)) is not None
-            ):
-                text = text[:stop_at]
-                self.scheduler.finish(request_id, FinishReason.STOP)
-            outputs.append(self._output(request, text))
+            detokenizer = self._detokenizers[request_id]
+            detokenizer.update(request.output_token_ids, final=request.is_finished)
+            if detokenizer.stopped and request.finish_reason is not FinishReason.STOP:
+                # a stop string outranks a length limit reached in the same step, as in vLLM
+                if request.is_finished:
+                    request.finish_reason = FinishReason.STOP
+                else:
+                    self.scheduler.finish(request_id, FinishReason.STOP)
+            outputs.append(self._output(request, detokenizer.text))
         return outputs
-
-    def _detokenize(self, request: Request) -> str:
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        self._texts[request.request_id] = text
-        return text
-
-    @staticmethod
-    def _stop_position(text: str, request: Request) -> int | None:
-        hits = [i for s in request.sampling_params.stop if (i := text.find(s)) >= 0]
-        return min(hits) if hits else None
 
     def _output(self, request: Request, text: str) -> RequestOutput:
         if request.is_finished:
-            self._texts.pop(request.request_id, None)
+            self._detokenizers.pop(request.request_id, None)
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,

@@ -51,9 +51,10 @@ class LLM:
         max_num_batched_tokens: int = 1024,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        compile: bool = False,
     ) -> None:
         self.engine = LLMEngine(
-            ModelConfig(str(model), dtype, device, attention_backend),
+            ModelConfig(str(model), dtype, device, attention_backend, compile=compile),
             CacheConfig(block_size, kv_cache_bytes, num_blocks=num_blocks),
             SchedulerConfig(
                 max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching

@@ -8,15 +8,24 @@ token), through the model's own head (`logits_to_keep`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from compress.artifact import check_intact, load_kwargs
 from serve import cpu_attention
-from serve.attention import ATTENTION_NAME, AttentionBackend, ReferenceBackend, SDPABackend
+from serve.attention import (
+    ATTENTION_NAME,
+    AttentionBackend,
+    ReferenceBackend,
+    SDPABackend,
+    step_context,
+)
+from serve.compilation import CompiledForward, CompileReport, warm_up
 from serve.config import ATTENTION_BACKENDS, CacheConfig, ModelConfig
 from serve.scheduler import SchedulerOutput
 from serve.step_inputs import StepInputs, build_step_inputs
@@ -145,7 +154,12 @@ def make_backend(
 
 class ModelRunner:
     def __init__(
-        self, model: PreTrainedModel, cache: CacheConfig, device: torch.device, backend: str
+        self,
+        model: PreTrainedModel,
+        cache: CacheConfig,
+        device: torch.device,
+        backend: str,
+        compile_model: bool = False,
     ) -> None:
         self.model, self.device, self.block_size = model, device, cache.block_size
         self.layout = kv_layout(model, model.get_input_embeddings().weight.dtype)
@@ -159,6 +173,11 @@ class ModelRunner:
             )
             for _ in range(self.layout.num_layers)
         ]
+        self.call_model: Callable[..., Any] = model
+        self.compile_report: CompileReport | None = None
+        if compile_model:
+            self.call_model = compiled = CompiledForward(model)
+            self.compile_report = warm_up(compiled, self.execute, self.block_size, self.num_blocks)
 
     def _num_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
@@ -193,13 +212,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Float32 logits at `inputs.logits_rows`: [len(logits_rows), vocab]."""
-        result = self.model(
-            input_ids=inputs.input_ids[None],
-            position_ids=inputs.positions[None],
-            use_cache=False,
-            logits_to_keep=inputs.logits_rows,
-            paged=inputs.meta,
-        )
+        with step_context(inputs.meta):
+            result = self.call_model(
+                input_ids=inputs.input_ids[None],
+                position_ids=inputs.positions[None],
+                use_cache=False,
+                logits_to_keep=inputs.logits_rows,
+            )
         return result.logits[0].float()
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:

@@ -170,6 +170,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="on the CPU in float32/bfloat16, keep F.linear instead of oneDNN with prepacked weights",
     )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="run each step through torch.compile (graphs built at load: seconds to minutes; "
+        "float models without LoRA)",
+    )
     g = p.add_argument_group("LoRA adapters")
     g.add_argument(
         "--lora",
@@ -272,6 +278,7 @@ def _engine(args: argparse.Namespace) -> LLMEngine:
             args.device,
             args.attention_backend,
             prepack_linears=not args.no_prepack_linears,
+            compile=args.compile,
         ),
         CacheConfig(args.block_size, args.kv_cache_memory, args.kv_cache_fraction),
         SchedulerConfig(
@@ -308,6 +315,8 @@ def run_server(args: argparse.Namespace) -> int:
         engine.runner.num_blocks * args.block_size,
         engine.runner.kv_bytes / 2**20,
     )
+    if engine.runner.compile_report:
+        logging.getLogger("workbench").info(engine.runner.compile_report.line())
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -17,15 +17,18 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
 def test_bf16_engine_agrees_with_generate_on_cuda(
-    model_dirs: dict[str, Path], cases: list[Case]
+    model_dirs: dict[str, Path], cases: list[Case], compile_model: bool
 ) -> None:
     """bf16 rounding differs between kernels, so greedy paths may fork after a near-tie: compare
     the first 8 tokens, and require agreement on at least 90% of the requests."""
     from transformers import AutoModelForCausalLM
 
     engine = LLMEngine(
-        ModelConfig(str(model_dirs["llama"]), dtype="bfloat16", device="cuda"),
+        ModelConfig(
+            str(model_dirs["llama"]), dtype="bfloat16", device="cuda", compile=compile_model
+        ),
         CacheConfig(block_size=16, kv_cache_bytes=256 << 20),
         SchedulerConfig(max_num_batched_tokens=256),
     )

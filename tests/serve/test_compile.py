@@ -1,0 +1,73 @@
+"""`--compile`: the step forward through `torch.compile` gives `generate`'s greedy tokens, builds
+its graphs once at load (none while serving, whatever the batch shapes), and is refused, with the
+reason, where it cannot serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torch._dynamo.utils import counters
+
+from serve import LLMEngine
+from serve.compilation import WARM_UP_SHAPES, cxx_compiler, why_not_compilable
+from serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.lora.manager import LoraConfig
+from tests.serve.conftest import PAGED_CPU, Case
+from tests.serve.test_engine_exact import run
+
+needs_cxx = pytest.mark.skipif(
+    cxx_compiler() is None,
+    reason="no C++ compiler: torch.compile's CPU backend (inductor) cannot build kernels here",
+)
+
+
+def compiled_engine(model_dir: Path, backend: str, **sched: int) -> LLMEngine:
+    return LLMEngine(
+        ModelConfig(str(model_dir), "float32", "cpu", backend, compile=True),
+        CacheConfig(block_size=16, num_blocks=64),
+        SchedulerConfig(**sched),
+    )
+
+
+@needs_cxx
+@pytest.mark.parametrize("backend", [PAGED_CPU, "sdpa"])
+def test_compiled_engine_matches_generate_without_recompiling(
+    model_dirs: dict[str, Path],
+    cases: list[Case],
+    references: dict[str, list[list[int]]],
+    backend: str,
+) -> None:
+    # a small token budget and KV pool: chunked prefills, chunks that sample nothing, mixed
+    # batches, single decodes and preemption all occur
+    engine = compiled_engine(model_dirs["llama"], backend, max_num_batched_tokens=96)
+    report = engine.runner.compile_report
+    assert report is not None
+    # all four graphs are new, or all reused from the other parametrization's model (same
+    # architecture and shapes: dynamo's guards do not pin a module instance)
+    assert report.graphs in (len(WARM_UP_SHAPES), 0)
+    assert report.graph_breaks == 0
+    graphs = counters["stats"]["unique_graphs"]
+    outputs = run(engine, cases)
+    assert outputs == dict(enumerate(references["llama"]))
+    assert engine.stats().num_preemptions > 0
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled while serving
+
+
+def test_compile_with_lora_is_refused_with_the_reason(model_dirs: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match=r"LoRA adapters.*drop --compile"):
+        LLMEngine(
+            ModelConfig(str(model_dirs["llama"]), "float32", "cpu", compile=True),
+            CacheConfig(num_blocks=64),
+            lora=LoraConfig(max_loras=2),
+        )
+
+
+@needs_cxx
+def test_compile_of_a_quantized_model_is_refused(model_dirs: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"])
+    assert why_not_compilable(model, lora=False) is None
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    assert "quantized" in str(why_not_compilable(model, lora=False))
