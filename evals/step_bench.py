@@ -171,6 +171,8 @@ def measure(
     for name in systems:
         if name in ENGINE_SYSTEMS:
             engine = make_engine(model, ENGINE_SYSTEMS[name], prefill, device)
+            if engine.runner.compile_report:
+                log(f"{name}: {engine.runner.compile_report.line()}")
             runs[name] = (
                 lambda n, tag, e=engine: engine_decode_step(e, n, context, tag),
                 lambda tag, e=engine: engine_prefill(e, prefill, tag),
