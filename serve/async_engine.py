@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -59,7 +59,6 @@ class Tracked:
     last_token_at: float | None = None
     num_tokens: int = 0
     finished: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class AsyncEngine:

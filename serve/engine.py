@@ -13,7 +13,6 @@ names them; every other request is untouched and the next step runs as usual.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -96,7 +95,6 @@ class LLMEngine:
         dtype = resolve_dtype(model.dtype, device)
         if device.type == "cpu":
             keep_freed_memory()
-        self.model_config = model
         self.cache_config = cache = cache or CacheConfig()
         hf_model, self.tokenizer = loaded or (
             load_model(model, device, dtype),
@@ -119,10 +117,8 @@ class LLMEngine:
         max_loras = lora.max_loras if lora else None
         self.scheduler = Scheduler(scheduler, self.runner.num_blocks, cache.block_size, max_loras)
         self.sampler = Sampler(seed)
-        self._arrivals = itertools.count()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.timings: dict[str, float] = defaultdict(float)
-        self.num_steps = 0
         self.last_step_tokens = 0
 
     @property
@@ -158,7 +154,6 @@ class LLMEngine:
             params,
             eos_token_id=self.tokenizer.eos_token_id,
             adapter_id=adapter_id,
-            arrival_index=next(self._arrivals),
         )
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -214,7 +209,6 @@ class LLMEngine:
         if finished and self.adapters is not None:
             self.adapters.release(self.adapters_in_use())
         clock.lap("update")
-        self.num_steps += 1
         self.last_step_tokens = out.num_tokens
         return outputs
 

@@ -37,7 +37,6 @@ class Request:
     eos_token_id: int | None = None
     adapter_id: int | None = None
     """Selects a LoRA adapter; part of every block hash, so prefixes are shared per adapter."""
-    arrival_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

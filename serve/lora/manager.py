@@ -58,7 +58,6 @@ class AdapterManager:
         self.current: OrderedDict[str, int] = OrderedDict()
         """name -> current version, least recently used first."""
         self.versions: dict[int, Adapter] = {}
-        self.names: dict[int, str] = {}
         self.slots: OrderedDict[int, int] = OrderedDict()
         """version -> device slot, least recently used first."""
         self._next_id = 1
@@ -93,7 +92,6 @@ class AdapterManager:
             self.current.popitem(last=False)  # NOTE: never more than max_cpu_loras are current
         version, self._next_id = self._next_id, self._next_id + 1
         self.versions[version] = adapter
-        self.names[version] = name
         self.current[name] = version
         self.current.move_to_end(name)
         self.release(in_use)
@@ -121,7 +119,6 @@ class AdapterManager:
         keep = set(self.current.values()) | set(in_use)
         for version in [v for v in self.versions if v not in keep]:
             del self.versions[version]
-            del self.names[version]
             self.slots.pop(version, None)
 
     def prepare_step(self, token_versions: list[tuple[int, torch.Tensor]], num_tokens: int) -> None:
