@@ -24,3 +24,51 @@ def tiny_model_dir(_isolated_dirs: None) -> Path:
     from workbench.demo import ensure_demo_model
 
     return ensure_demo_model("demo-tiny")
+
+
+# Tests must not write into the checkout (a stray reports/<run>/ shows up on the user's
+# dashboard): the files git does not track are listed at the start and at the end of the session,
+# and anything new fails the run.
+CHECKOUT = Path(__file__).resolve().parents[1]
+GIT_STATUS = ("git", "status", "--porcelain", "--ignored", "--untracked-files=all")
+CACHES = (".pytest_cache", "__pycache__", ".hypothesis", ".ruff_cache", ".mypy_cache")
+
+
+def _untracked() -> set[str] | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            [*GIT_STATUS, "--", ".", ":(exclude).venv"],
+            cwd=CHECKOUT,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None  # not a git checkout: nothing to compare
+    paths = {line[3:] for line in out.splitlines()}
+    return {p for p in paths if not any(c in p.split("/") for c in CACHES)}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_BEFORE] = _untracked()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    before = session.config.stash.get(_BEFORE, None)
+    after = _untracked()
+    if before is None or after is None or hasattr(session.config, "workerinput"):
+        return
+    new = sorted(after - before)
+    if new:
+        session.config.get_terminal_writer().line(
+            f"\ntests wrote into the checkout ({len(new)} path(s)): {', '.join(new[:10])}; "
+            "write under tmp_path instead",
+            red=True,
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_BEFORE = pytest.StashKey[set[str] | None]()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -22,7 +23,10 @@ variants:
 """
 
 
-def test_two_processes_train_like_one(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_two_processes_train_like_one(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the report goes to ./reports/ddp: not into the checkout
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE)
     assert main(["run", str(recipe), "--work-dir", str(tmp_path / "one")]) == 0
@@ -40,6 +44,7 @@ def test_two_processes_train_like_one(tmp_path: Path, tiny_model_dir: Path) -> N
             str(tmp_path / "two"),
         ],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=600,
