@@ -45,6 +45,7 @@ test-slow: $(STAMP)  ## the slow tests (the full toy model; SmolLM2 exactness an
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -10,12 +10,14 @@ layers (plus embeddings, final norm and head) or from random weights. Loss per t
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field, ValidationInfo, field_validator, model_validator
+from transformers import PretrainedConfig, PreTrainedModel
 
 from compress.artifact import Artifact, copy_side_files
 from compress.data import check_data, load_texts, perplexity, token_rows
@@ -76,10 +78,10 @@ def kept_layers(layers: int | list[int], num_teacher_layers: int) -> list[int]:
     )
 
 
-def student_from(teacher: torch.nn.Module, p: DistillParams, seed: int) -> torch.nn.Module:
+def student_from(teacher: PreTrainedModel, p: DistillParams, seed: int) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
-    config = copy.deepcopy(teacher.config)
+    config: PretrainedConfig = copy.deepcopy(teacher.config)
     keep = kept_layers(p.layers, config.num_hidden_layers)
     config.num_hidden_layers = len(keep)
     if getattr(config, "layer_types", None):
@@ -104,7 +106,9 @@ def student_from(teacher: torch.nn.Module, p: DistillParams, seed: int) -> torch
     return student
 
 
-def _distill_loss(teacher: torch.nn.Module, p: DistillParams):  # type: ignore[no-untyped-def]
+def _distill_loss(
+    teacher: torch.nn.Module, p: DistillParams
+) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
     def loss(student: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
         out = student(input_ids=batch, labels=batch)
         if not p.kd:
@@ -147,13 +151,11 @@ class Distill(Step):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         p = self.params
-        teacher = (
-            AutoModelForCausalLM.from_pretrained(artifact.path, dtype=torch.float32)
-            .to(ctx.device)
-            .eval()
-        )
-        teacher.requires_grad_(False)
-        student = student_from(teacher, p, ctx.seed).to(ctx.device)
+        teacher = AutoModelForCausalLM.from_pretrained(artifact.path, dtype=torch.float32)
+        teacher.to(ctx.device)  # type: ignore[arg-type]  # transformers types its `to` oddly
+        teacher.eval().requires_grad_(False)
+        student = student_from(teacher, p, ctx.seed)
+        student.to(ctx.device)  # type: ignore[arg-type]
         tok = AutoTokenizer.from_pretrained(artifact.path)
         rows = token_rows(tok, load_texts(p.data, "train"), p.seq_len)
         val = token_rows(tok, load_texts(p.data, "validation"), p.seq_len)[:64]

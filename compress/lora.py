@@ -117,13 +117,13 @@ class Lora(Step):
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         config = LoraConfig(
             r=p.rank,
-            lora_alpha=p.alpha or 2 * p.rank,
+            lora_alpha=p.alpha or 2 * p.rank,  # type: ignore[arg-type]  # PEFT: int; floats work
             lora_dropout=p.dropout,
             target_modules=as_peft_regex(p.targets),
             use_rslora=p.rslora,
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, config)
+        peft_model = get_peft_model(model, config)
         tok = AutoTokenizer.from_pretrained(artifact.path)
         rows = training_rows(p, tok, ctx.seed)
         cfg = TrainConfig(
@@ -136,10 +136,10 @@ class Lora(Step):
             keep_checkpoints=ctx.keep_checkpoints,
             mixed_precision=p.mixed_precision,
         )
-        result = train(model, rows, _causal_lm_loss, cfg, checkpoint_dir=ctx.checkpoint_dir)
-        model.save_pretrained(ctx.out_dir, safe_serialization=True)
+        result = train(peft_model, rows, _causal_lm_loss, cfg, checkpoint_dir=ctx.checkpoint_dir)
+        peft_model.save_pretrained(str(ctx.out_dir), safe_serialization=True)
         copy_side_files(artifact.path, ctx.out_dir)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
         info = {
             "trainable_parameters": trainable,
             "first_loss": result.losses[0],

@@ -81,7 +81,7 @@ def compare(
                 rows.append({**e["row"], "label": e["label"], "run": run})
     axis = next((runs[r]["quality_axis"] for r in chosen_runs), {"key": None})
     key, lower = axis.get("key"), axis.get("lower_is_better", True)
-    figs = figures.all_figures(picked, key, lower)
+    figs = figures.all_figures(picked, key, bool(lower))
     columns.insert(0, {"key": "run", "label": "run", "format": "text"})
     return {
         "columns": columns,

@@ -196,7 +196,7 @@ def pareto_front(rows: list[dict[str, Any]], quality_key: str, lower_better: boo
 
 def columns(tasks: list[str], quality: dict[str, Any], load_settings: dict | None) -> list[dict]:
     """The table's columns: key, label, unit format and which direction is better."""
-    cols = [
+    cols: list[dict[str, Any]] = [
         {"key": "variant", "label": "variant", "format": "text"},
         {"key": "steps", "label": "steps", "format": "text"},
         {"key": "parameters", "label": "params", "format": "int", "better": None},

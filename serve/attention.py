@@ -113,7 +113,14 @@ tokens: one padded call 7.4 ms, groups of 16 2.4 ms, one call per sequence 13 ms
 class SDPABackend:
     decode_group_size: int | None = DECODE_GROUP_SIZE
 
-    def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         out = torch.empty_like(q)
         for g in meta.decodes:
             k = _gather_batch(k_cache, g.block_tables)
@@ -150,7 +157,14 @@ class SDPABackend:
 class ReferenceBackend:
     decode_group_size: int | None = None
 
-    def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         out = torch.empty_like(q)
         decodes = [
             SequenceSlice(int(r), int(r) + 1, int(n), bt)
@@ -208,7 +222,9 @@ def paged_attention_op(
 
 
 @paged_attention_op.register_fake
-def _(query, key, value, layer_idx, scale):  # type: ignore[no-untyped-def]
+def _(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
 
 
@@ -224,9 +240,10 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: [1, H, T, D] in, [1, T, H, D] out."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer_idx = int(module.layer_idx)  # type: ignore[arg-type]  # HF attention modules: an int
     if torch.compiler.is_compiling():
-        return paged_attention_op(query, key, value, module.layer_idx, scale), None
-    return _attend_layer(query, key, value, module.layer_idx, scale), None
+        return paged_attention_op(query, key, value, layer_idx, scale), None
+    return _attend_layer(query, key, value, layer_idx, scale), None
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from serve.attention import SDPABackend
+from serve.attention import AttentionMetadata, SDPABackend
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,14 @@ class PagedCPUBackend(SDPABackend):
             )
         self.lib = lib
 
-    def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         out = torch.empty_like(q)
         for g in meta.decodes:
             out[g.rows] = self.decode(

@@ -40,7 +40,9 @@ def packed_linear(
 
 
 @packed_linear.register_fake
-def _(x, packed_weight, bias, out_features):  # type: ignore[no-untyped-def]
+def _(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 

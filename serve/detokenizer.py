@@ -12,13 +12,22 @@ newly appear: the new text and the `longest stop - 1` characters before it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT = "\ufffd"
 
 
+def decode_text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """The text of `ids`, special tokens skipped."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert isinstance(text, str)  # one sequence in, one string out
+    return text
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str]) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.longest_stop = max((len(s) for s in self.stop), default=0)
@@ -28,7 +37,7 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode_text(self.tokenizer, ids)
 
     def update(self, output_token_ids: list[int], final: bool = False) -> str:
         """Extend `text` with what `output_token_ids` (all of them so far) add; returns the new

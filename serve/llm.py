@@ -68,12 +68,12 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         progress: bool = False,
     ) -> list[Completion]:
-        prompts = [prompts] if isinstance(prompts, str) else prompts
+        batch: list[str | list[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
         params_list = (
-            params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+            params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
         )
-        ids = [f"gen-{i}" for i in range(len(prompts))]
-        for request_id, prompt, p in zip(ids, prompts, params_list):
+        ids = [f"gen-{i}" for i in range(len(batch))]
+        for request_id, prompt, p in zip(ids, batch, params_list):
             self.engine.add_request(request_id, prompt, p)
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not progress, desc="generating", unit="req") as bar:

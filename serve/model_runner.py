@@ -121,7 +121,8 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
         source, attn_implementation=ATTENTION_NAME, **kwargs
     )
     _check_supported(model)
-    return model.to(device).eval()
+    model.to(device)  # type: ignore[arg-type]  # transformers types its `to` wrapper oddly
+    return model.eval()
 
 
 def make_backend(
@@ -162,7 +163,9 @@ class ModelRunner:
         compile_model: bool = False,
     ) -> None:
         self.model, self.device, self.block_size = model, device, cache.block_size
-        self.layout = kv_layout(model, model.get_input_embeddings().weight.dtype)
+        embeddings = model.get_input_embeddings().weight
+        assert isinstance(embeddings, torch.Tensor)
+        self.layout = kv_layout(model, embeddings.dtype)
         self.backend = make_backend(backend, model, device, self.layout)
         self.num_blocks = self._num_blocks(cache)
         shape = (self.num_blocks, cache.block_size, self.layout.num_kv_heads, self.layout.head_dim)

@@ -6,6 +6,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from serve.detokenizer import decode_text
 from serve.engine import RequestOutput
 
 
@@ -41,7 +42,7 @@ def _top_all(tok: PreTrainedTokenizerBase, logprobs: dict[int, float]) -> dict[s
 def completion_choice(
     tok: PreTrainedTokenizerBase, index: int, out: RequestOutput, echo: bool, want_logprobs: bool
 ) -> dict[str, Any]:
-    prompt_text = tok.decode(out.prompt_token_ids, skip_special_tokens=True) if echo else ""
+    prompt_text = decode_text(tok, out.prompt_token_ids) if echo else ""
     logprobs = completion_logprobs(tok, out, echo, 0) if want_logprobs else None
     return {
         "index": index,

@@ -120,6 +120,7 @@ def chat_job(
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert isinstance(text, str)  # tokenize=False: the rendered conversation
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from e
     prompt = encode(tok, text, max_model_len, add_special_tokens=False)  # bos: the template's

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from transformers import PreTrainedTokenizerBase
 
 from serve.async_engine import AsyncEngine, Tracked
+from serve.detokenizer import decode_text
 from serve.openai_serving import Job, TextDeltas, merged, now, sse, usage
 from serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -25,7 +26,7 @@ async def completion_events(
         text = deltas.delta(index, out)
         if job.echo and index not in deltas.sent_prompt:
             deltas.sent_prompt.add(index)
-            text = tok.decode(out.prompt_token_ids, skip_special_tokens=True) + text
+            text = decode_text(tok, out.prompt_token_ids) + text
         if text or out.finished:
             choice = {
                 "index": index,

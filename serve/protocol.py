@@ -70,8 +70,15 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     """An extension (as in vLLM)."""
     user: str | None = None
-    presence_penalty: Literal[0, 0.0] = 0
-    frequency_penalty: Literal[0, 0.0] = 0
+    presence_penalty: float = 0
+    frequency_penalty: float = 0
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("penalties are not implemented by this server; leave them at 0")
+        return value
 
     @field_validator("stop")
     @classmethod

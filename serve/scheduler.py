@@ -58,6 +58,8 @@ class Scheduler:
         max_loras: int | None = None,
     ) -> None:
         self.config = with_model_limit(config, None)  # the engine resolves it against the model
+        assert self.config.max_model_len is not None  # resolved just above
+        self.max_model_len: int = self.config.max_model_len
         self.max_loras = max_loras
         """Most distinct adapters in one step (None: adapters are not served)."""
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
@@ -90,11 +92,11 @@ class Scheduler:
                 scheduled.append((request, num_new))
                 budget -= num_new
         while self.waiting and budget > 0 and not preempted and self._can_admit(self.waiting[0]):
-            num_new = self._admit(self.waiting[0], budget)
-            if num_new is None:
+            admitted = self._admit(self.waiting[0], budget)
+            if admitted is None:
                 break
-            scheduled.append((self.waiting.popleft(), num_new))
-            budget -= num_new
+            scheduled.append((self.waiting.popleft(), admitted))
+            budget -= admitted
         return SchedulerOutput(
             [self._chunk(r, n) for r, n in scheduled], [r.request_id for r in preempted]
         )
@@ -171,7 +173,7 @@ class Scheduler:
             return FinishReason.STOP
         if len(request.output_token_ids) >= params.max_tokens:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

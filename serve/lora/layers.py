@@ -52,6 +52,12 @@ class StepSlots:
 
 
 class LoraLinear(nn.Module):
+    lora_a: torch.Tensor
+    """[slots, max_rank, in]"""
+    lora_b: torch.Tensor
+    """[slots, out, max_rank], pre-multiplied by the scaling"""
+    scaling: torch.Tensor
+
     def __init__(
         self,
         base: nn.Module,
