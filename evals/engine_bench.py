@@ -79,7 +79,7 @@ def default_llama_25m() -> Path:
     default model of the small engine benchmarks."""
     import tempfile
 
-    from workbench.demo import ensure_demo_model
+    from catalog import ensure_demo_model
 
     scratch = Path(tempfile.gettempdir()) / "workbench-llama-25m"
     return random_llama_25m(ensure_demo_model("demo"), scratch)

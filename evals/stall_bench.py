@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=512)
     args = parser.parse_args(argv)
     if args.model is None:
-        from workbench.demo import ensure_demo_model
+        from catalog import ensure_demo_model
 
         args.model = ensure_demo_model("demo-tiny")
     url, server = serve_in_thread(args.model, args.max_model_len)

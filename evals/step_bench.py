@@ -209,11 +209,11 @@ def resolve_model(value: str | None) -> Path:
     if value in (None, "llama-25m"):
         return default_llama_25m()
     if value == "demo":
-        from workbench.demo import ensure_demo_model
+        from catalog import ensure_demo_model
 
         return ensure_demo_model("demo")
     if value == "smollm2":
-        from workbench.gguf_base import ensure_gguf_model, named_gguf_path
+        from catalog.gguf_base import ensure_gguf_model, named_gguf_path
 
         return ensure_gguf_model(named_gguf_path("smollm2-135m"))
     return Path(value)

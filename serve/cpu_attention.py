@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from compress.cache import cache_dir
 from serve.attention import AttentionMetadata, SDPABackend
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,7 @@ _ARGTYPES = [_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, cty
 
 
 def _cache_root() -> Path:
-    from platformdirs import user_cache_dir
-
-    return Path(os.environ.get("WORKBENCH_CACHE_DIR") or user_cache_dir("workbench")) / "kernels"
+    return cache_dir() / "kernels"
 
 
 def _cpu_identity() -> str:

@@ -21,7 +21,7 @@ def _isolated_dirs(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(_isolated_dirs: None) -> Path:
-    from workbench.demo import ensure_demo_model
+    from catalog import ensure_demo_model
 
     return ensure_demo_model("demo-tiny")
 

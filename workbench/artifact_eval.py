@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from catalog import data as demo_data
 from compress import Artifact
 from compress.artifact import load_kwargs
 from compress.data import load_texts, perplexity, token_rows
-from workbench.demo import data as demo_data
 
 demo_data.register()  # the corpora measured below, also when called from Python directly
 

@@ -1,7 +1,7 @@
 """What a recipe's `base` names, and how it becomes the first artifact of every variant.
 
 `demo` / `demo-tiny` are the built-in offline models; `smollm2-135m` (and any `.gguf` file) is a
-GGUF model converted once into the cache (`workbench.gguf_base`); an existing directory (absolute, or relative
+GGUF model converted once into the cache (`catalog.gguf_base`); an existing directory (absolute, or relative
 to the recipe file, or to the working dir) is a local HF model; `org/name` is a hub id, fetched
 through the HF cache (offline use needs it cached, and `HF_HUB_OFFLINE=1` then avoids the network).
 """
@@ -15,11 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from compress.artifact import Artifact
-from workbench.content_hash import sha256_cached
-from workbench.demo.cache import demo_model_dir, ensure_demo_model, spec_hash
-from workbench.demo.train import SPECS
-from workbench.gguf_base import (
+from catalog.cache import demo_model_dir, ensure_demo_model, spec_hash
+from catalog.gguf_base import (
     CONVERT_VERSION,
     GGUF_INFO,
     NAMED_GGUF,
@@ -28,6 +25,9 @@ from workbench.gguf_base import (
     gguf_sha256,
     named_gguf_path,
 )
+from catalog.train import SPECS
+from compress.artifact import Artifact
+from compress.content_hash import sha256_cached
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

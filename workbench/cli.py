@@ -156,7 +156,7 @@ def _report_table(report: dict) -> Table:
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
-    from workbench.demo import build_info, ensure_demo_model
+    from catalog import build_info, ensure_demo_model
 
     path = ensure_demo_model(args.name)
     info = build_info(path)

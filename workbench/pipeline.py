@@ -36,10 +36,10 @@ from compress.artifact import (
     verify_files,
     write_manifest,
 )
+from compress.locking import file_lock
 from compress.registry import StepError
 from workbench.base_model import BaseRef, base_artifact, base_fingerprint
 from workbench.distributed import barrier, is_main, scratch_dir
-from workbench.locking import file_lock
 from workbench.measure import PeakMemory, package_versions
 from workbench.recipe import Recipe, Variant
 

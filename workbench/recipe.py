@@ -26,9 +26,9 @@ from pydantic import (
     model_validator,
 )
 
+from catalog import data as demo_data
 from compress import STEPS, StepParams
 from workbench.base_model import BaseRef, resolve_base
-from workbench.demo import data as demo_data
 from workbench.recipe_errors import RecipeError, format_validation_error
 
 demo_data.register()  # the named data sets (corpus, shift) recipes may use

@@ -14,9 +14,9 @@ from typing import Any
 
 from datasets import Dataset
 
+from catalog import data as demo_data
+from catalog.shifted import colour_questions
 from compress.data import load_texts
-from workbench.demo import data as demo_data
-from workbench.demo.shifted import colour_questions
 
 demo_data.register()
 

@@ -35,7 +35,7 @@ def test_cloze_items_are_well_formed() -> None:
 
 
 def test_shop_colours_answers_match_the_catalogue() -> None:
-    from workbench.demo.shifted import catalogue
+    from catalog.shifted import catalogue
 
     items = list(local_data.shop_colours()["test"])
     assert [f" {it.colour}." for it in catalogue()] == [q["choices"][q["label"]] for q in items]

@@ -23,6 +23,8 @@ from tests.reports.conftest import Run
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 
+pytestmark = pytest.mark.e2e  # `workbench run` as a subprocess, a browser
+
 
 @pytest.fixture
 def reports_dir(small_run: Run, tmp_path: Path) -> Path:

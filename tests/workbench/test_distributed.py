@@ -23,6 +23,7 @@ variants:
 """
 
 
+@pytest.mark.e2e
 def test_two_processes_train_like_one(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from compress import content_hash
 from compress.artifact import MANIFEST, file_sha256
 from compress.training import TrainConfig, train
 from serve.config import ModelConfig
 from serve.engine import LLMEngine
 from serve.lora.adapter import AdapterError
 from serve.lora.manager import LoraConfig
-from workbench import content_hash
 from workbench.cli import main
 from workbench.pipeline import Pipeline, PipelineError
 from workbench.recipe import load_recipe

@@ -114,6 +114,7 @@ _SLOW_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 def test_killed_run_leaves_no_half_written_variant(tmp_path: Path, tiny_model_dir: Path) -> None:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE)

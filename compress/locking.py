@@ -22,7 +22,7 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def build_once(final: Path, marker: str, build: Callable[[Path], None], announce: str) -> Path:
+def build_once(final: Path, marker: str, build: Callable[[Path], object], announce: str) -> Path:
     """`final`, built by `build(tmp dir)` when `final/marker` is missing: under a lock (concurrent
     callers wait, then reuse it), in a temporary dir renamed into place when complete (a killed
     build leaves only the temporary dir, which the next build removes). `announce` is printed

@@ -10,21 +10,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 
-from platformdirs import user_cache_dir
+from catalog.train import BUILD_INFO, SPECS, DemoSpec, build
+from compress.cache import CACHE_ENV, cache_dir
+from compress.locking import build_once
 
-from workbench.demo.train import BUILD_INFO, SPECS, DemoSpec, build
-from workbench.locking import build_once
-
-CACHE_ENV = "WORKBENCH_CACHE_DIR"
+__all__ = ["CACHE_ENV", "build_info", "cache_dir", "demo_model_dir", "ensure_demo_model"]
 # NOTE: bump when the corpus, tokenizer or training code changes what a spec builds.
 BUILD_VERSION = 2
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or user_cache_dir("workbench"))
 
 
 def spec_hash(spec: DemoSpec) -> str:

@@ -7,7 +7,7 @@ hash of their id, so the split never depends on file order or on how many docume
 The text changes slightly between Python versions, so the project ships a snapshot
 (`data/corpus.jsonl.xz`, extracted from CPython 3.11; Python Software Foundation License) and the
 demo model is trained from it: the same bytes on every machine. `extract_stdlib_documents()` is the
-extractor that wrote it; `python -m workbench.demo.corpus --write-snapshot` writes it again.
+extractor that wrote it; `python -m catalog.corpus --write-snapshot` writes it again.
 """
 
 from __future__ import annotations

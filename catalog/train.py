@@ -19,9 +19,9 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from catalog import corpus, shifted
+from catalog.tokenizer import train_tokenizer
 from compress.data import perplexity, token_rows
-from workbench.demo import corpus, shifted
-from workbench.demo.tokenizer import train_tokenizer
 
 BUILD_INFO = "demo_build.json"
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from catalog import corpus, shakespeare, shifted
+from catalog.cache import cache_dir
 from compress.artifact import atomic_dir
 from compress.data import register_data
-from workbench.demo import corpus, shakespeare, shifted
-from workbench.demo.cache import cache_dir
-from workbench.locking import file_lock
+from compress.locking import file_lock
 
 # NOTE: bump when the text of a data set changes, so stale files are not reused.
 DATA_VERSION = 1

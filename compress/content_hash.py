@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 from compress.artifact import file_sha256
-from workbench.demo.cache import cache_dir
+from compress.cache import cache_dir
 
 CACHE_FILE = "file-hashes.json"
 

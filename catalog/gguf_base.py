@@ -16,9 +16,9 @@ import importlib.util
 import json
 from pathlib import Path
 
-from workbench.content_hash import sha256_cached
-from workbench.demo.cache import cache_dir
-from workbench.locking import build_once
+from catalog.cache import cache_dir
+from compress.content_hash import sha256_cached
+from compress.locking import build_once
 
 GGUF_INFO = "gguf_source.json"
 CONVERT_VERSION = 1
