@@ -73,6 +73,11 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.stats: EngineStats = engine.stats()
+        self._adapter_names: tuple[str, ...] = (
+            tuple(engine.adapters.current) if engine.adapters else ()
+        )
+        """The loaded adapter names as of the last load or unload: written on the engine thread,
+        read by coroutines (the table itself is reordered by every request that resolves a name)."""
         self.dead: BaseException | None = None
         self.failed_steps_in_a_row = 0
 
@@ -145,12 +150,13 @@ class AsyncEngine:
         def register() -> tuple[int, list[str]]:
             before = set(manager.current)
             version = self.engine.register_lora(name, adapter, evict)
+            self._adapter_names = tuple(manager.current)
             return version, sorted(before - set(manager.current))
 
         version, evicted = await self._call(register)
         for gone in evicted:
             self.metrics.forget_adapter(gone)
-        self.metrics.observe_lora_load(time.perf_counter() - started, len(manager.current))
+        self.metrics.observe_lora_load(time.perf_counter() - started, len(self._adapter_names))
         return version, evicted
 
     async def unload_lora(self, name: str) -> int:
@@ -163,15 +169,17 @@ class AsyncEngine:
         def unload() -> int:
             if name not in manager.current:
                 raise UnknownAdapter(name)
-            return self.engine.unload_lora(name)
+            version = self.engine.unload_lora(name)
+            self._adapter_names = tuple(manager.current)
+            return version
 
         version = await self._call(unload)
-        self.metrics.observe_lora_load(None, len(manager.current))
+        self.metrics.observe_lora_load(None, len(self._adapter_names))
         self.metrics.forget_adapter(name)
         return version
 
     def adapter_names(self) -> list[str]:
-        return list(self.engine.adapters.current) if self.engine.adapters else []
+        return list(self._adapter_names)
 
     async def abort(self, request_id: str) -> None:
         if self._end(request_id, "abort", time.perf_counter()) is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -279,3 +281,97 @@ def test_cli_loads_adapters_at_start_and_refuses_bad_ones(
         timeout=120,
     )
     assert bad.returncode != 0 and "--lora x=" in bad.stderr and "no such directory" in bad.stderr
+
+
+class ThreadRecordingDict(OrderedDict):
+    """An adapter table that notes which thread touches it."""
+
+    def __init__(self, *args: object) -> None:
+        self.threads: set[str] = set()
+        super().__init__(*args)
+        self.threads.clear()  # the copy above ran on the test's thread
+
+    def _note(self) -> None:
+        self.threads.add(threading.current_thread().name)
+
+
+for _name in (
+    "__iter__",
+    "__getitem__",
+    "__contains__",
+    "__len__",
+    "__setitem__",
+    "__delitem__",
+    "move_to_end",
+    "get",
+    "pop",
+    "keys",
+    "values",
+    "items",
+):
+
+    def _recording(self: ThreadRecordingDict, *a: object, _m: str = _name, **k: object) -> object:
+        self._note()
+        return getattr(OrderedDict, _m)(self, *a, **k)
+
+    setattr(ThreadRecordingDict, _name, _recording)
+
+
+def test_adapter_table_is_touched_only_on_the_engine_thread_under_races(
+    server: ThreadServer, adapter_root: Path
+) -> None:
+    """Loads, unloads, listings and adapter requests race; coroutines never touch the engine's
+    adapter table (each request reorders it on the engine thread), listings stay consistent."""
+    manager = server.engine.engine.adapters
+    for name in ("race-a", "race-b"):
+        r = post(
+            server,
+            "/v1/load_lora_adapter",
+            {"lora_name": name, "lora_path": str(adapter_root / "qv4")},
+        )
+        assert r.status_code == 200, r.text
+    table = ThreadRecordingDict(manager.current)
+    manager.current = table
+    prompts = [c.prompt for c in make_cases(24, seed=5, vocab=500, max_prompt=16)]
+    url = server.url
+
+    async def churn(client: httpx.AsyncClient) -> list[int]:
+        codes = []
+        for _ in range(6):
+            for path, body in (
+                (
+                    "/v1/load_lora_adapter",
+                    {"lora_name": "race-c", "lora_path": str(adapter_root / "ou2")},
+                ),
+                ("/v1/unload_lora_adapter", {"lora_name": "race-c"}),
+            ):
+                codes.append((await client.post(f"{url}{path}", json=body)).status_code)
+        return codes
+
+    async def listings(client: httpx.AsyncClient) -> list[set[str]]:
+        seen = []
+        for _ in range(30):
+            ids = {m["id"] for m in (await client.get(f"{url}/v1/models")).json()["data"]}
+            seen.append(ids)
+            await asyncio.sleep(0.01)
+        return seen
+
+    async def scenario() -> tuple[list, list[int], list[set[str]]]:
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=100)) as c:
+            streams = [
+                asyncio.ensure_future(_stream(c, url, ("race-a", "race-b")[i % 2], p))
+                for i, p in enumerate(prompts)
+            ]
+            codes, seen = await asyncio.gather(churn(c), listings(c))
+            return await asyncio.gather(*streams), codes, seen
+
+    outputs, codes, seen = asyncio.run(scenario())
+    assert [status for status, _ in outputs] == [200] * len(prompts)
+    assert codes == [200] * len(codes)
+    assert all({"race-a", "race-b"} <= ids for ids in seen)
+    assert len({frozenset(ids - {"race-c"}) for ids in seen}) == 1
+    assert table.threads == {"engine"}, f"the adapter table was touched from {table.threads}"
+    engine = server.engine.engine
+    assert engine.scheduler.pool.num_free_blocks == engine.runner.num_blocks
+    for name in ("race-a", "race-b"):
+        assert post(server, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
