@@ -66,7 +66,7 @@ def convert_gguf(path: Path, out: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
-    model.hf_quantizer = None  # the weights are plain floats now
+    model.hf_quantizer = None  # type: ignore[assignment]  # the weights are plain floats now
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = path.stem

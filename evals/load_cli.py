@@ -69,9 +69,9 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def served(model: str, serve_flags: list[str], log: Path) -> Iterator[str]:
-    """`workbench serve MODEL` in a subprocess on a free port; yields its URL."""
+    """`python -m serve MODEL` in a subprocess on a free port; yields its URL."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "workbench.cli", "serve", model, "--port", str(port), *serve_flags]
+    cmd = [sys.executable, "-m", "serve", model, "--port", str(port), *serve_flags]
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ)

@@ -206,17 +206,14 @@ def measure(
 
 
 def resolve_model(value: str | None) -> Path:
+    """llama-25m (default), smollm2 (short for smollm2-135m), a built-in name, or a model dir."""
+    from catalog.names import named_model_dir
+
     if value in (None, "llama-25m"):
         return default_llama_25m()
-    if value == "demo":
-        from catalog import ensure_demo_model
-
-        return ensure_demo_model("demo")
-    if value == "smollm2":
-        from catalog.gguf_base import ensure_gguf_model, named_gguf_path
-
-        return ensure_gguf_model(named_gguf_path("smollm2-135m"))
-    return Path(value)
+    assert value is not None
+    name = "smollm2-135m" if value == "smollm2" else value
+    return named_model_dir(name) or Path(value)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""`workbench serve`: flags for every engine and server setting, and the uvicorn run."""
+"""`workbench serve` and `python -m serve`: flags for every engine and server setting, and the
+uvicorn run."""
 
 from __future__ import annotations
 
@@ -290,6 +291,29 @@ def _engine(args: argparse.Namespace) -> LLMEngine:
         seed=args.seed,
         lora=lora_config(args),
     )
+
+
+def resolve_model_name(args: argparse.Namespace) -> None:
+    """A built-in name (`demo`, `smollm2-135m`) or a `.gguf` file becomes its model dir, built
+    or converted on first use, served under the name itself."""
+    from catalog.names import named_model_dir
+
+    model_dir = named_model_dir(args.model)
+    if model_dir is not None:
+        if not args.served_model_name:
+            args.served_model_name = Path(args.model).stem
+        args.model = str(model_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m serve MODEL [flags]`: the server without the rest of workbench."""
+    parser = argparse.ArgumentParser(
+        prog="python -m serve", description="Serve a model over an OpenAI-compatible HTTP API."
+    )
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    resolve_model_name(args)
+    return run_server(args)
 
 
 def run_server(args: argparse.Namespace) -> int:

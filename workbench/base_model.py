@@ -25,6 +25,7 @@ from catalog.gguf_base import (
     gguf_sha256,
     named_gguf_path,
 )
+from catalog.names import named_model_dir
 from catalog.train import SPECS
 from compress.artifact import Artifact
 from compress.content_hash import sha256_cached
@@ -124,18 +125,6 @@ def base_artifact(ref: BaseRef) -> Artifact:
     if ref.kind == "hub":
         return Artifact(Path(_hub_snapshot(ref.name)))
     return Artifact(Path(ref.name))
-
-
-def named_model_dir(value: str) -> Path | None:
-    """The model dir behind a built-in name (`demo`, `smollm2-135m`) or a `.gguf` file, built or
-    converted on first use; None when `value` is neither (a model dir or hub id)."""
-    if value in SPECS:
-        return ensure_demo_model(value)
-    if value in NAMED_GGUF:
-        return ensure_gguf_model(named_gguf_path(value))
-    if value.endswith(".gguf") and Path(value).expanduser().is_file():
-        return ensure_gguf_model(Path(value).expanduser().resolve())
-    return None
 
 
 __all__ = [

@@ -177,14 +177,9 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from serve.server_cli import run_server
-    from workbench.base_model import named_model_dir
+    from serve.server_cli import resolve_model_name, run_server
 
-    model_dir = named_model_dir(args.model)
-    if model_dir is not None:
-        if not args.served_model_name:
-            args.served_model_name = Path(args.model).stem
-        args.model = str(model_dir)
+    resolve_model_name(args)
     return run_server(args)
 
 

@@ -106,11 +106,15 @@ def test_bad_flags_are_one_line_errors(
 
 
 @pytest.mark.e2e
-def test_api_key_from_the_environment(gpt2_64: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "entry", [["workbench.cli", "serve"], ["serve"]], ids=["workbench", "serve"]
+)
+def test_api_key_from_the_environment(gpt2_64: Path, tmp_path: Path, entry: list[str]) -> None:
+    """Through `workbench serve` and `python -m serve` alike."""
     sock = free_socket()
     port = sock.getsockname()[1]
     sock.close()
-    cmd = [sys.executable, "-m", "workbench.cli", "serve", str(gpt2_64), "--port", str(port)]
+    cmd = [sys.executable, "-m", *entry, str(gpt2_64), "--port", str(port)]
     env = {**os.environ, API_KEY_ENV: "from-env"}
     log = (tmp_path / "server.log").open("w")
     proc = subprocess.Popen([*cmd, "--device", "cpu"], env=env, stdout=log, stderr=log)
