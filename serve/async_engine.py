@@ -76,8 +76,9 @@ class AsyncEngine:
         self._adapter_names: tuple[str, ...] = (
             tuple(engine.adapters.current) if engine.adapters else ()
         )
-        """The loaded adapter names as of the last load or unload: written on the engine thread,
-        read by coroutines (the table itself is reordered by every request that resolves a name)."""
+        """The loaded adapter names, least recently used first, as of the last load, unload or
+        request that named one: written on the engine thread, read by coroutines (the table
+        itself is reordered on the engine thread by every request that resolves a name)."""
         self.dead: BaseException | None = None
         self.failed_steps_in_a_row = 0
 
@@ -122,9 +123,11 @@ class AsyncEngine:
         def add() -> None:
             version = None
             if adapter is not None:
-                version = self.engine.adapters.resolve(adapter) if self.engine.adapters else None
-                if version is None:
+                manager = self.engine.adapters
+                version = manager.resolve(adapter) if manager else None
+                if manager is None or version is None:
                     raise UnknownAdapter(adapter)
+                self._adapter_names = tuple(manager.current)  # its least-recently-used order
             self.engine.add_request(request_id, prompt, params, adapter_id=version)
 
         try:

@@ -216,7 +216,7 @@ class LLMEngine:
         """Run the model over the scheduled chunks and sample: {request id: next token}."""
         inputs = self.runner.prepare(out)
         if self.adapters is not None:
-            self.adapters.prepare_step(self._adapter_rows(out), out.num_tokens)
+            self.adapters.prepare_step(inputs.adapter_rows, out.num_tokens)
         clock.lap("prepare")
         logits = self.runner.forward(inputs)
         clock.lap("model")
@@ -266,18 +266,6 @@ class LLMEngine:
                 if target == len(request.prompt_logprobs) and target < request.num_prompt_tokens:
                     token = request.prompt_token_ids[target]
                     request.prompt_logprobs.append(token_logprobs(logits[first + i], token, top_n))
-
-    def _adapter_rows(self, out: SchedulerOutput) -> list[tuple[int, torch.Tensor]]:
-        """(adapter version, flat token rows) for the step's chunks that use an adapter."""
-        rows: dict[int, list[int]] = {}
-        start = 0
-        for chunk in out.chunks:
-            n = len(chunk.token_ids)
-            if chunk.adapter_id is not None:
-                rows.setdefault(chunk.adapter_id, []).extend(range(start, start + n))
-            start += n
-        device = self.runner.device
-        return [(v, torch.tensor(r, dtype=torch.long, device=device)) for v, r in rows.items()]
 
     def adapters_in_use(self) -> set[int]:
         return {r.adapter_id for r in self.scheduler.requests.values() if r.adapter_id is not None}

@@ -26,6 +26,8 @@ class StepInputs:
     """request id -> index (into the kept logits) of the row it samples from."""
     prompt_rows: dict[str, tuple[int, int]]
     """request id -> (first index into the kept logits, count) for prompt logprobs."""
+    adapter_rows: list[tuple[int, torch.Tensor]]
+    """(adapter version, flat rows of its tokens) for each adapter the step uses."""
 
 
 def _logits_rows(
@@ -90,9 +92,12 @@ def build_step_inputs(
     positions: list[int] = []
     slots: list[int] = []
     prefills, decode_rows, decode_tables, decode_lens = [], [], [], []
+    adapter_rows: dict[int, list[int]] = {}
     for chunk in out.chunks:
         start, n, table = chunk.start_pos, len(chunk.token_ids), chunk.block_ids
         row = len(ids)
+        if chunk.adapter_id is not None:
+            adapter_rows.setdefault(chunk.adapter_id, []).extend(range(row, row + n))
         ids.extend(chunk.token_ids)
         positions.extend(range(start, start + n))
         slots.extend(
@@ -120,5 +125,11 @@ def build_step_inputs(
     )
     rows, sample_rows, prompt_rows = _logits_rows(out)
     return StepInputs(
-        as_long(ids), as_long(positions), meta, as_long(rows), sample_rows, prompt_rows
+        as_long(ids),
+        as_long(positions),
+        meta,
+        as_long(rows),
+        sample_rows,
+        prompt_rows,
+        [(version, as_long(r)) for version, r in adapter_rows.items()],
     )
