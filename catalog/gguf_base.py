@@ -16,11 +16,12 @@ import importlib.util
 import json
 from pathlib import Path
 
-from catalog.cache import cache_dir
+from compress.artifact import BUILD_RECORD_SUFFIX
+from compress.cache import cache_dir
 from compress.content_hash import sha256_cached
 from compress.locking import build_once
 
-GGUF_INFO = "gguf_source.json"
+GGUF_INFO = f"gguf{BUILD_RECORD_SUFFIX}"
 CONVERT_VERSION = 1
 """Bump when the conversion writes something different for the same GGUF file."""
 NAMED_GGUF = {

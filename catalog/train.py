@@ -21,9 +21,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from catalog import corpus, shifted
 from catalog.tokenizer import train_tokenizer
+from compress.artifact import BUILD_RECORD_SUFFIX
 from compress.data import perplexity, token_rows
 
-BUILD_INFO = "demo_build.json"
+BUILD_INFO = f"demo{BUILD_RECORD_SUFFIX}"
 
 
 @dataclass(frozen=True)

@@ -184,13 +184,16 @@ def link_or_copy_tree(src: Path, dst: Path, skip: tuple[str, ...] = (MANIFEST,))
 
 _MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", MANIFEST)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+BUILD_RECORD_SUFFIX = ".build.json"
+"""A file that records how a model dir itself was built (a demo model's training, a GGUF
+conversion): it describes that dir only and is never copied into a variant derived from it."""
 
 
 def copy_side_files(src: Path, dst: Path) -> None:
     """Copy what is neither weights nor model config (tokenizer, chat template, ...) to `dst`."""
     for item in sorted(src.iterdir()):
         skipped = item.name in _MODEL_FILES or item.name.endswith(_WEIGHT_SUFFIXES)
-        hidden = item.name.startswith(".") or item.name == "demo_build.json"
+        hidden = item.name.startswith(".") or item.name.endswith(BUILD_RECORD_SUFFIX)
         if item.is_file() and not skipped and not hidden:
             shutil.copy2(item, dst / item.name)
 
