@@ -190,6 +190,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is; its blocks are free when this returns."""
         self._detokenizers.pop(request_id, None)
+        self.sampler.release(request_id)
         return self.scheduler.finish(request_id, FinishReason.ABORT) is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -205,6 +206,8 @@ class LLMEngine:
             raise self._fail(out, e) from e
         requests = {c.request_id: self.scheduler.requests[c.request_id] for c in out.chunks}
         finished = self.scheduler.update(out, tokens)
+        for request in finished:
+            self.sampler.release(request.request_id)
         outputs = self._outputs(requests, tokens, finished)
         if finished and self.adapters is not None:
             self.adapters.release(self.adapters_in_use())
@@ -241,7 +244,12 @@ class LLMEngine:
             return {}
         requests = [self.scheduler.requests[r] for r in ids]
         rows = [inputs.sample_rows[r] for r in ids]
-        sample_inputs = [SampleInput(r.sampling_params, r.generator) for r in requests]
+        sample_inputs = [
+            SampleInput(
+                r.sampling_params, self.sampler.generator_for(r.request_id, r.sampling_params.seed)
+            )
+            for r in requests
+        ]
         tokens = {}
         for request, s in zip(requests, self.sampler.sample(logits[rows], sample_inputs)):
             tokens[request.request_id] = s.token_id
@@ -308,6 +316,7 @@ class LLMEngine:
                     request.finish_reason = FinishReason.STOP
                 else:
                     self.scheduler.finish(request_id, FinishReason.STOP)
+                    self.sampler.release(request_id)
             outputs.append(self._output(request, detokenizer.text))
         return outputs
 

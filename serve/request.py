@@ -12,8 +12,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from serve.sampling_params import SamplingParams
 
 
@@ -49,13 +47,9 @@ class Request:
     """Prompt tokens served by the prefix cache at first admission."""
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.seed is not None:
-            # NOTE: manual_seed takes [-2**63, 2**64); negative seeds map onto the same space.
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed % 2**64)
 
     @property
     def num_tokens(self) -> int:

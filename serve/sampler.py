@@ -67,6 +67,20 @@ def _finite(logprob: float) -> float:
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+        """Seeded requests' own generators, kept across preemption until `release`."""
+
+    def generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        """The request's own generator (None without a seed: it draws from the engine's)."""
+        if seed is None:
+            return None
+        if request_id not in self.request_generators:
+            # NOTE: manual_seed takes [-2**63, 2**64); negative seeds map onto the same space.
+            self.request_generators[request_id] = torch.Generator().manual_seed(seed % 2**64)
+        return self.request_generators[request_id]
+
+    def release(self, request_id: str) -> None:
+        self.request_generators.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, inputs: list[SampleInput]) -> list[Sampled]:
         """logits: float32 [len(inputs), vocab], on any device."""

@@ -76,3 +76,19 @@ def test_the_engine_core_does_not_import_the_http_server() -> None:
             for alias in node.names
         }
         assert not {m for m in imported if m.split(".")[0] in ("fastapi", "starlette", "uvicorn")}
+
+
+def test_the_scheduler_and_kv_blocks_load_without_torch() -> None:
+    """The engine core's bookkeeping is pure Python: importing it loads no torch (a fresh
+    interpreter, since this one has torch loaded already)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, serve.block_pool, serve.kv_cache_manager, serve.scheduler, serve.request; "
+        "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"
