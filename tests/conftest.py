@@ -49,7 +49,23 @@ def _untracked() -> set[str] | None:
     except (OSError, subprocess.SubprocessError):
         return None  # not a git checkout: nothing to compare
     paths = {line[3:] for line in out.splitlines()}
-    return {p for p in paths if not any(c in p.split("/") for c in CACHES)}
+    kept = _cache_inside_checkout()  # CI keeps the workbench cache in the checkout on purpose
+    return {
+        p
+        for p in paths
+        if not any(c in p.split("/") for c in CACHES) and not (kept and p.startswith(kept))
+    }
+
+
+def _cache_inside_checkout() -> str | None:
+    """The workbench cache dir as a checkout-relative prefix ("x/"), when it lies inside."""
+    value = os.environ.get("WORKBENCH_CACHE_DIR")
+    if not value:
+        return None
+    try:
+        return Path(value).resolve().relative_to(CHECKOUT).as_posix() + "/"
+    except ValueError:
+        return None
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
