@@ -42,7 +42,7 @@ def server_results(
 
 def _pairs(response: Any) -> list[tuple[float, bool | None]]:
     """A sample's filtered responses as (loglikelihood, is_greedy) pairs."""
-    out = []
+    out: list[tuple[float, bool | None]] = []
     for r in response:
         if isinstance(r, list | tuple):
             out.append((float(r[0]), bool(r[1])))

@@ -66,7 +66,7 @@ def memory_bytes(model: torch.nn.Module) -> int:
 def rows_for(model: torch.nn.Module) -> int:
     """Rows scored: fewer for large models, judged by the embedding's size (vocab x hidden from
     the config), which quantization, adapters and layer-dropping students leave unchanged."""
-    config = getattr(model, "get_base_model", lambda: model)().config
+    config: Any = getattr(model, "get_base_model", lambda: model)().config
     large = config.vocab_size * config.hidden_size > LARGE_EMBEDDING
     return LARGE_MODEL_ROWS if large else EVAL_ROWS
 

@@ -14,13 +14,14 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _state():  # type: ignore[no-untyped-def]
+def _state() -> Any:
     from accelerate import PartialState
 
     return PartialState(cpu=not _cuda())

@@ -52,7 +52,10 @@ def _step_union() -> Any:
     """Tagged union of one single-key model per registered step: {name: Params}."""
     members = [
         Annotated[
-            create_model(f"{name}_step", __base__=_Strict, **{name: (cls.Params, ...)}), Tag(name)
+            create_model(  # type: ignore[call-overload]  # field definitions given as kwargs
+                f"{name}_step", __base__=_Strict, **{name: (cls.Params, ...)}
+            ),
+            Tag(name),
         ]
         for name, cls in STEPS.items()
     ]
@@ -190,8 +193,12 @@ class Variant(_Strict):
 
     def step_calls(self) -> list[tuple[str, StepParams]]:
         """(step name, params) in order; `steps: []` is the identity step."""
-        calls = [(_step_name(s), getattr(s, _step_name(s))) for s in self.steps]
-        return calls or [("identity", STEPS["identity"].Params())]  # type: ignore[list-item]
+        calls = []
+        for step in self.steps:
+            name = _step_name(step)
+            assert name is not None  # validated: every step is a one-key model
+            calls.append((name, getattr(step, name)))
+        return calls or [("identity", STEPS["identity"].Params())]
 
 
 class Recipe(_Strict):

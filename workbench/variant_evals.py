@@ -71,9 +71,8 @@ def eval_max_length(recipe: Recipe, variant: VariantResult) -> int:
     from transformers import AutoConfig
 
     artifact = artifact_from_manifest(variant.path)
-    config = AutoConfig.from_pretrained(
-        artifact.base if artifact.kind == "adapter" else variant.path
-    )
+    source = artifact.base if artifact.kind == "adapter" and artifact.base else variant.path
+    config = AutoConfig.from_pretrained(source)
     return min(
         int(getattr(config, "max_position_embeddings", 0) or 0) or MAX_DEFAULT_LENGTH,
         MAX_DEFAULT_LENGTH,
@@ -224,14 +223,12 @@ def _chat_length(recipe: Recipe, model_path: Path) -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    lengths = [
-        len(
-            tok.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True
-            )["input_ids"]
+    lengths = []
+    for p in recipe.evals.chat_prompts:
+        encoded: Any = tok.apply_chat_template(  # return_dict: a mapping with input_ids
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True
         )
-        for p in recipe.evals.chat_prompts
-    ]
+        lengths.append(len(encoded["input_ids"]))
     return max(lengths) + recipe.evals.chat_max_tokens
 
 
@@ -293,16 +290,17 @@ def run_session(
     members = ([session.model_variant] if session.model_variant else []) + session.adapters
     paths = {m.name: work_dir / "evals" / m.name / "load.json" for m in members}
     out: dict[str, tuple[dict[str, Any], bool]] = {}
-    pending, chats = [], {}
+    pending: list = []
+    chats: dict[str, list[dict[str, Any]] | None] = {}
     for m in members:
         stored = None if force else lookup(paths[m.name], load_key(load, m))
         if stored is not None:
             out[m.name] = (stored, True)
         else:
             pending.append(m)
-        chats[m.name] = _stored_answers(recipe, m, work_dir, force)
-        if answers is not None and chats[m.name] is not None:
-            answers[m.name] = chats[m.name]
+        chats[m.name] = stored_chat = _stored_answers(recipe, m, work_dir, force)
+        if answers is not None and stored_chat is not None:
+            answers[m.name] = stored_chat
     asked = [m for m in members if chats[m.name] is None and recipe.evals.chat_prompts]
     if not pending and not asked and check is None:
         return out
