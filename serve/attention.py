@@ -123,15 +123,25 @@ class SDPABackend:
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         for g in meta.decodes:
-            k = _gather_batch(k_cache, g.block_tables)
-            v = _gather_batch(v_cache, g.block_tables)
-            qd = q[g.rows].unsqueeze(2)
-            o = F.scaled_dot_product_attention(
-                qd, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True
-            )
-            out[g.rows] = o.squeeze(2)
+            out[g.rows] = self.attend_decodes(q[g.rows], k_cache, v_cache, g, scale)
         self.attend_prefills(q, k_cache, v_cache, meta, scale, out)
         return out
+
+    def attend_decodes(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: DecodeGroup,
+        scale: float,
+    ) -> torch.Tensor:
+        """One decode group: q [S_g, heads, head_dim] (a token per sequence) -> the same shape."""
+        k = _gather_batch(k_cache, group.block_tables)
+        v = _gather_batch(v_cache, group.block_tables)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
+        )
+        return o.squeeze(2)
 
     @staticmethod
     def attend_prefills(

@@ -26,6 +26,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
+from serve.kv_cache_manager import cdiv
 from serve.scheduler import ScheduledChunk, SchedulerOutput
 
 WARM_UP_SHAPES: tuple[tuple[tuple[int, bool], ...], ...] = (
@@ -98,7 +99,7 @@ def warm_up(
     for shape in WARM_UP_SHAPES:
         chunks, next_block = [], 0
         for i, (tokens, sample) in enumerate(shape):
-            blocks = -(-tokens // block_size)
+            blocks = cdiv(tokens, block_size)
             if next_block + blocks > num_blocks:
                 raise ValueError(f"the KV cache ({num_blocks} blocks) is too small to warm up")
             table = list(range(next_block, next_block + blocks))

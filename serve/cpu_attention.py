@@ -9,7 +9,8 @@ sums in float32.
 The library is compiled once per (source, compiler, CPU) into `$WORKBENCH_CACHE_DIR/kernels`
 with the C compiler `$CC` (default `cc`), `-O3 -march=native -ffast-math -fopenmp`, in about
 half a second. Its OpenMP runtime is the one torch already loaded (same soname), so the two
-share one pool of threads. Where no compiler works, `load_kernel` returns None and the engine keeps SDPA.
+share one pool of threads. Where no compiler works, `load_kernel` returns None and the engine
+keeps SDPA.
 NOTE: results equal SDPA's up to float32 rounding (about 1e-6 relative); the engine tests stay
 token-exact against `generate`.
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from compress.cache import cache_dir
-from serve.attention import AttentionMetadata, SDPABackend
+from serve.attention import DecodeGroup, SDPABackend
 
 log = logging.getLogger(__name__)
 
@@ -144,40 +145,24 @@ class PagedCPUBackend(SDPABackend):
             )
         self.lib = lib
 
-    def attend(
+    def attend_decodes(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        group: DecodeGroup,
         scale: float,
     ) -> torch.Tensor:
-        out = torch.empty_like(q)
-        for g in meta.decodes:
-            out[g.rows] = self.decode(
-                q[g.rows], k_cache, v_cache, g.block_tables, g.seq_lens, scale
-            )
-        self.attend_prefills(q, k_cache, v_cache, meta, scale, out)
-        return out
-
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """q: [S, heads, head_dim] (one token per sequence) -> the same shape."""
+        """One decode group through the kernel (prefills stay on SDPA, as in `SDPABackend`):
+        q [S_g, heads, head_dim] (a token per sequence) -> the same shape."""
         if q.device.type != "cpu" or q.dtype not in _FUNCTIONS or k_cache.dtype != q.dtype:
             raise ValueError(f"paged-cpu attention takes CPU float32/bfloat16, got {q.dtype}")
         q = q.contiguous()
         out = torch.empty_like(q)
         s, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        tables = block_tables.contiguous()
-        lens = seq_lens.contiguous()
+        tables = group.block_tables.contiguous()
+        lens = group.seq_lens.contiguous()
         assert tables.dtype == lens.dtype == torch.int64 and k_cache.is_contiguous()
         rc = getattr(self.lib, _FUNCTIONS[q.dtype])(
             q.data_ptr(),

@@ -189,9 +189,13 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is; its blocks are free when this returns."""
+        self._forget(request_id)
+        return self.scheduler.finish(request_id, FinishReason.ABORT) is not None
+
+    def _forget(self, request_id: str) -> None:
+        """Drop what the engine keeps per request beside the scheduler: text and generator."""
         self._detokenizers.pop(request_id, None)
         self.sampler.release(request_id)
-        return self.scheduler.finish(request_id, FinishReason.ABORT) is not None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -206,8 +210,6 @@ class LLMEngine:
             raise self._fail(out, e) from e
         requests = {c.request_id: self.scheduler.requests[c.request_id] for c in out.chunks}
         finished = self.scheduler.update(out, tokens)
-        for request in finished:
-            self.sampler.release(request.request_id)
         outputs = self._outputs(requests, tokens, finished)
         if finished and self.adapters is not None:
             self.adapters.release(self.adapters_in_use())
@@ -316,13 +318,12 @@ class LLMEngine:
                     request.finish_reason = FinishReason.STOP
                 else:
                     self.scheduler.finish(request_id, FinishReason.STOP)
-                    self.sampler.release(request_id)
             outputs.append(self._output(request, detokenizer.text))
         return outputs
 
     def _output(self, request: Request, text: str) -> RequestOutput:
         if request.is_finished:
-            self._detokenizers.pop(request.request_id, None)
+            self._forget(request.request_id)
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
