@@ -18,11 +18,13 @@ import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
+
+from evals.results import LoadResult, Percentiles, Point, Saturation, ServerInfo
 
 
 @dataclass(frozen=True)
@@ -34,32 +36,12 @@ class RequestTiming:
     output_tokens: int
 
 
-@dataclass
-class Point:
-    concurrency: int
-    prompt_len: int
-    max_tokens: int
-    requests: int
-    seconds: float
-    request_throughput: float
-    output_throughput: float
-    ttft: dict[str, float]
-    tpot: dict[str, float]
-    e2e: dict[str, float]
-    peak_kv_usage: float
-    peak_waiting: float
-    preemptions: float
-    kv_full_queued_steps: float
-    """Engine steps of this point that ended with requests waiting while KV was >= 90% full."""
-    failed: int = 0
-    saturated: bool = field(default=False)
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
+def percentiles(values: list[float]) -> Percentiles:
     if not values:
-        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan"), "mean": float("nan")}
+        nan = float("nan")
+        return Percentiles(p50=nan, p95=nan, p99=nan, mean=nan)
     q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
-    return {"p50": q[49], "p95": q[94], "p99": q[98], "mean": statistics.fmean(values)}
+    return Percentiles(p50=q[49], p95=q[94], p99=q[98], mean=statistics.fmean(values))
 
 
 def read_metrics(text: str) -> dict[str, float]:
@@ -188,38 +170,40 @@ async def run_point(
         stop.set()
         await watch_task
     tokens = sum(t.output_tokens for t in timings)
+    queued = watcher.increase(COUNTERS[1])
     return Point(
-        c,
-        p,
-        max_tokens,
-        len(timings),
-        seconds,
-        len(timings) / seconds,
-        tokens / seconds,
-        percentiles([t.ttft for t in timings]),
-        percentiles([t.tpot for t in timings]),
-        percentiles([t.e2e for t in timings]),
-        watcher.peak_kv,
-        watcher.peak_waiting,
-        watcher.increase(COUNTERS[0]),
-        watcher.increase(COUNTERS[1]),
-        failed,
+        concurrency=c,
+        prompt_len=p,
+        max_tokens=max_tokens,
+        requests=len(timings),
+        seconds=seconds,
+        request_throughput=len(timings) / seconds,
+        output_throughput=tokens / seconds,
+        ttft=percentiles([t.ttft for t in timings]),
+        tpot=percentiles([t.tpot for t in timings]),
+        e2e=percentiles([t.e2e for t in timings]),
+        peak_kv_usage=watcher.peak_kv,
+        peak_waiting=watcher.peak_waiting,
+        preemptions=watcher.increase(COUNTERS[0]),
+        kv_full_queued_steps=queued,
+        failed=failed,
+        saturated=queued > 0,
     )
 
 
-def server_info(url: str) -> dict[str, float | str | None]:
+def server_info(url: str) -> ServerInfo:
     """The served model and, from this server's metrics, its KV cache; any other
     OpenAI-compatible server (vLLM, ...) gets None where it does not say."""
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
     m = metrics_of(httpx.get(f"{url}/metrics", timeout=30))
     info = "workbench:cache_config_info"
-    return {
-        "model": model["id"],
-        "max_model_len": model.get("max_model_len"),
-        "kv_blocks": m.get(f"{info}.num_blocks"),
-        "block_size": m.get(f"{info}.block_size"),
-        "kv_bytes_per_token": m.get(f"{info}.kv_bytes_per_token"),
-    }
+    return ServerInfo(
+        model=model["id"],
+        max_model_len=model.get("max_model_len"),
+        kv_blocks=m.get(f"{info}.num_blocks"),
+        block_size=m.get(f"{info}.block_size"),
+        kv_bytes_per_token=m.get(f"{info}.kv_bytes_per_token"),
+    )
 
 
 def sweep(
@@ -230,36 +214,28 @@ def sweep(
     requests_per_point: int | None = None,
     model: str | None = None,
     requests_per_client: int = 2,
-) -> dict:
+) -> LoadResult:
     """All points, with the saturation point per prompt length and its estimate. `model` is
     the name requests send (default: the server's base model; an adapter's name measures it)."""
     info = server_info(url)
     if model is not None:
-        info["model"] = model
-    blocks, block_size = info["kv_blocks"], info["block_size"]
-    known = blocks is not None and block_size is not None
-    kv_tokens = float(blocks) * float(block_size) if known else None  # type: ignore[arg-type]
-    result: dict = {"server": info, "kv_tokens": kv_tokens, "points": [], "saturation": {}}
-    total = len(concurrency) * len(prompt_lens)
-    with tqdm(total=total, desc=f"load {info['model']}", unit="point") as bar:
+        info = info.model_copy(update={"model": model})
+    blocks, block_size = info.kv_blocks, info.block_size
+    kv_tokens = blocks * block_size if blocks is not None and block_size is not None else None
+    points: list[Point] = []
+    saturation: dict[str, Saturation] = {}
+    with tqdm(
+        total=len(concurrency) * len(prompt_lens), desc=f"load {info.model}", unit="point"
+    ) as bar:
         for p in prompt_lens:
             for c in concurrency:
                 n = requests_per_point or max(requests_per_client * c, 8)
-                point = asyncio.run(run_point(url, str(info["model"]), c, p, max_tokens, n))
-                point.saturated = point.kv_full_queued_steps > 0
-                result["points"].append(asdict(point))
-                bar.set_postfix(c=c, p=p, tok_s=f"{point.output_throughput:.0f}")
+                points.append(asyncio.run(run_point(url, info.model, c, p, max_tokens, n)))
+                bar.set_postfix(c=c, p=p, tok_s=f"{points[-1].output_throughput:.0f}")
                 bar.update()
-            measured = next(
-                (
-                    pt["concurrency"]
-                    for pt in result["points"]
-                    if pt["prompt_len"] == p and pt["saturated"]
-                ),
-                None,
+            saturated = (pt.concurrency for pt in points if pt.prompt_len == p and pt.saturated)
+            saturation[str(p)] = Saturation(
+                measured_concurrency=next(saturated, None),
+                estimated_concurrency=kv_tokens / (p + max_tokens) if kv_tokens else None,
             )
-            result["saturation"][str(p)] = {
-                "measured_concurrency": measured,
-                "estimated_concurrency": kv_tokens / (p + max_tokens) if kv_tokens else None,
-            }
-    return result
+    return LoadResult(server=info, kv_tokens=kv_tokens, points=points, saturation=saturation)

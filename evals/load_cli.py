@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from evals.load import sweep
+from evals.results import LoadResult
 
 
 def _ints(text: str) -> list[int]:
@@ -93,14 +94,14 @@ def served(model: str, serve_flags: list[str], log: Path) -> Iterator[str]:
         proc.wait(timeout=60)
 
 
-def run_bench(args: argparse.Namespace, serve_flags: list[str]) -> dict:
+def run_bench(args: argparse.Namespace, serve_flags: list[str]) -> LoadResult:
     if bool(args.url) == bool(args.model):
         raise SystemExit(
             "workbench bench: give a MODEL to serve or --url of a running server, not both"
         )
     out = Path(args.out)
 
-    def run(url: str) -> dict:
+    def run(url: str) -> LoadResult:
         return sweep(
             url,
             args.concurrency,
@@ -117,25 +118,25 @@ def run_bench(args: argparse.Namespace, serve_flags: list[str]) -> dict:
         with served(args.model, serve_flags, out.with_suffix(".server.log")) as url:
             result = run(url)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out.write_text(json.dumps(result.to_json(), indent=2))
     return result
 
 
-def print_summary(result: dict) -> None:
+def print_summary(result: LoadResult) -> None:
     print(
         f"{'conc':>5} {'prompt':>6} {'req/s':>7} {'tok/s':>8} {'ttft p50':>9} {'ttft p95':>9} "
         f"{'e2e p50':>8} {'e2e p95':>8} {'kv peak':>7} {'wait pk':>7}"
     )
-    for p in result["points"]:
+    for p in result.points:
         print(
-            f"{p['concurrency']:>5} {p['prompt_len']:>6} {p['request_throughput']:>7.2f} "
-            f"{p['output_throughput']:>8.1f} {p['ttft']['p50']:>9.3f} {p['ttft']['p95']:>9.3f} "
-            f"{p['e2e']['p50']:>8.3f} {p['e2e']['p95']:>8.3f} {p['peak_kv_usage']:>7.2f} "
-            f"{p['peak_waiting']:>7.0f}"
+            f"{p.concurrency:>5} {p.prompt_len:>6} {p.request_throughput:>7.2f} "
+            f"{p.output_throughput:>8.1f} {p.ttft.p50:>9.3f} {p.ttft.p95:>9.3f} "
+            f"{p.e2e.p50:>8.3f} {p.e2e.p95:>8.3f} {p.peak_kv_usage:>7.2f} "
+            f"{p.peak_waiting:>7.0f}"
         )
-    for length, sat in result["saturation"].items():
-        estimate = sat["estimated_concurrency"]
+    for length, sat in result.saturation.items():
+        estimate = sat.estimated_concurrency
         print(
-            f"prompt {length}: saturation at concurrency {sat['measured_concurrency']} "
+            f"prompt {length}: saturation at concurrency {sat.measured_concurrency} "
             f"(estimate from KV budget: {'unknown' if estimate is None else f'{estimate:.1f}'})"
         )

@@ -15,6 +15,10 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from compress.manifest import VariantResult
+from evals.results import VariantEvals
+from evals.settings import Evals
+from evals.variant_evals import Measurements
 from reports import figures
 from reports.rows import (
     add_recovery,
@@ -28,18 +32,19 @@ from reports.rows import (
 SCHEMA = 1
 
 
-def quality_axis(report: dict[str, Any]) -> tuple[str | None, bool]:
+def quality_axis(
+    tasks: list[str], measured: dict[str, VariantEvals], columns: list[dict[str, Any]]
+) -> tuple[str | None, bool]:
     """The table key the quality plot and Pareto front use: the first perplexity task, else the
     first data set's bits per byte from the divergence measurement, else the first task."""
-    quality = {v["name"]: v["quality"] for v in report["variants"]}
-    measured = {t: m for t in report["settings"]["quality_tasks"] if (m := task_metric(quality, t))}
-    for task, metric in measured.items():
+    found = {t: m for t in tasks if (m := task_metric(measured, t))}
+    for task, metric in found.items():
         if lower_is_better(metric):
             return task, True
-    bpb = [c["key"] for c in report["columns"] if c["key"].startswith("bpb_")]
+    bpb = [c["key"] for c in columns if c["key"].startswith("bpb_")]
     if bpb:
         return bpb[0], True
-    return (next(iter(measured)), False) if measured else (None, True)
+    return (next(iter(found)), False) if found else (None, True)
 
 
 def machine() -> dict[str, Any]:
@@ -55,45 +60,51 @@ def machine() -> dict[str, Any]:
 
 
 def build_report(
-    recipe: Any,
-    manifests: dict[str, dict[str, Any]],
-    quality: dict[str, dict[str, Any]],
-    load: dict[str, dict[str, Any]],
-    server_check: dict[str, Any] | None,
-    reused: list[str],
-    answers: dict[str, list[dict[str, Any]]] | None = None,
+    name: str,
+    title: str | None,
+    settings: Evals,
+    variants: list[VariantResult],
+    measurements: Measurements,
 ) -> dict[str, Any]:
-    """`manifests` in recipe order: {variant: manifest}; the rest keyed by variant name."""
-    tasks = recipe.evals.task_names()
-    load_settings = recipe.evals.load.model_dump(mode="json") if recipe.evals.load else None
-    rows = [variant_row(n, m, quality.get(n), load.get(n)) for n, m in manifests.items()]
-    add_recovery(rows, tasks, quality)
-    report: dict[str, Any] = {
+    """The report of one run: `variants` in recipe order, each with what was measured of it."""
+    tasks = settings.task_names()
+    load_settings = settings.load.model_dump(mode="json") if settings.load else None
+    measured = {v.name: measurements.of(v.name) for v in variants}
+    rows = [variant_row(v.name, v.manifest, measured[v.name]) for v in variants]
+    add_recovery(rows, tasks, measured)
+    cols = columns(tasks, measured, load_settings)
+    key, lower = quality_axis(tasks, measured, cols)
+    return {
         "schema": SCHEMA,
-        "recipe": recipe.name,
-        "title": recipe.report.title or f"{recipe.name}: variants compared",
+        "recipe": name,
+        "title": title or f"{name}: variants compared",
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "settings": {"quality_tasks": tasks, "load": load_settings},
-        "columns": columns(tasks, quality, load_settings),
+        "columns": cols,
         "variants": [
             {
-                "name": name,
+                "name": v.name,
                 "row": row,
-                "manifest": {k: m.get(k) for k in ("kind", "hash", "steps", "quantization")},
-                "quality": quality.get(name),
-                "load": load.get(name),
+                "manifest": {
+                    "kind": v.manifest.kind,
+                    "hash": v.manifest.hash,
+                    "steps": [s.to_json() for s in v.manifest.steps],
+                    "quantization": v.manifest.quantization,
+                },
+                "quality": measured[v.name].quality_json(),
+                "load": load.to_json() if (load := measured[v.name].load) else None,
             }
-            for (name, m), row in zip(manifests.items(), rows, strict=True)
+            for v, row in zip(variants, rows, strict=True)
         ],
-        "server_check": server_check,
-        "answers": answers or {},
-        "reused": reused,
+        "server_check": measurements.server_check.to_json() if measurements.server_check else None,
+        "answers": {
+            n: [a.to_json() for a in answers] for n, answers in measurements.answers.items()
+        },
+        "reused": measurements.reused,
+        "quality_axis": {"key": key, "lower_is_better": lower},
+        "pareto_front": pareto_front(rows, key, lower) if key else [],
     }
-    key, lower = quality_axis(report)
-    report["quality_axis"] = {"key": key, "lower_is_better": lower}
-    report["pareto_front"] = pareto_front(rows, key, lower) if key else []
-    return report
 
 
 def entries(report: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from compress.manifest import Manifest
+from evals.results import LoadResult, TaskScore, VariantEvals
+
 HEADLINE = ("word_perplexity", "acc")
 DIVERGENCE = (  # row key prefix, `evals.divergence` statistic and its stderr, label, format, better
     ("ppl", "perplexity", None, "token ppl ({data})", "float", "lower"),
@@ -28,18 +31,24 @@ DIVERGENCE = (  # row key prefix, `evals.divergence` statistic and its stderr, l
 )
 
 
-def headline(metrics: dict[str, float]) -> tuple[str, float] | None:
+def headline(score: TaskScore) -> tuple[str, float] | None:
     """(metric, value) a task is summarised by."""
     for name in HEADLINE:
-        if name in metrics:
-            return name, metrics[name]
+        value = score.metric(name)
+        if value is not None:
+            return name, value
     return None
 
 
-def task_metric(quality: dict[str, Any], task: str) -> str | None:
-    """The headline metric of `task` in the variants' lm-eval results ({variant: results})."""
-    for results in quality.values():
-        top = headline((results or {}).get("tasks", {}).get(task, {}))
+def task_score(evals: VariantEvals, task: str) -> TaskScore | None:
+    return evals.quality.tasks.get(task) if evals.quality else None
+
+
+def task_metric(measured: dict[str, VariantEvals], task: str) -> str | None:
+    """The headline metric of `task` in the variants' lm-eval results."""
+    for evals in measured.values():
+        score = task_score(evals, task)
+        top = headline(score) if score else None
         if top:
             return top[0]
     return None
@@ -49,100 +58,87 @@ def lower_is_better(metric: str) -> bool:
     return "perplexity" in metric
 
 
-def describe_steps(manifest: dict[str, Any]) -> str:
+def describe_steps(manifest: Manifest) -> str:
     parts = []
-    for step in manifest.get("steps", []):
-        params = step.get("params", {})
+    for step in manifest.steps:
+        params = step.params
         detail = params.get("method") or (f"r={params['rank']}" if "rank" in params else "")
-        if step["name"] == "distill":
+        if step.name == "distill":
             detail = f"{params.get('layers')} layers, {'KD' if params.get('kd') else 'CE'}"
-        parts.append(f"{step['name']}({detail})" if detail else step["name"])
+        parts.append(f"{step.name}({detail})" if detail else step.name)
     return " + ".join(parts) or "identity"
 
 
-def _at(points: list[dict[str, Any]], prompt_len: int, concurrency: int) -> dict | None:
-    return next(
-        (p for p in points if p["prompt_len"] == prompt_len and p["concurrency"] == concurrency),
-        None,
-    )
-
-
-def load_columns(load: dict[str, Any] | None, reference_concurrency: int = 16) -> dict[str, Any]:
+def load_columns(load: LoadResult | None, reference_concurrency: int = 16) -> dict[str, Any]:
     """Peak throughput, p95 at the reference concurrency and saturation, per prompt length."""
     if not load:
         return {}
-    points = load["points"]
     row: dict[str, Any] = {
-        "kv_bytes_per_token": load["server"].get("kv_bytes_per_token"),
-        "kv_tokens": load["kv_tokens"],
-        "peak_output_tok_s": max(p["output_throughput"] for p in points),
-        "peak_req_s": max(p["request_throughput"] for p in points),
+        "kv_bytes_per_token": load.server.kv_bytes_per_token,
+        "kv_tokens": load.kv_tokens,
+        "peak_output_tok_s": max(p.output_throughput for p in load.points),
+        "peak_req_s": max(p.request_throughput for p in load.points),
     }
-    for length, sat in load["saturation"].items():
-        point = _at(points, int(length), reference_concurrency)
-        row[f"p95_e2e_c{reference_concurrency}_p{length}"] = point["e2e"]["p95"] if point else None
-        row[f"saturation_p{length}"] = sat["measured_concurrency"]
-        row[f"saturation_estimate_p{length}"] = round(sat["estimated_concurrency"], 1)
+    for length, sat in load.saturation.items():
+        point = load.at(int(length), reference_concurrency)
+        row[f"p95_e2e_c{reference_concurrency}_p{length}"] = point.e2e.p95 if point else None
+        row[f"saturation_p{length}"] = sat.measured_concurrency
+        estimate = sat.estimated_concurrency
+        row[f"saturation_estimate_p{length}"] = round(estimate, 1) if estimate is not None else None
     return row
 
 
-def variant_row(
-    name: str,
-    manifest: dict[str, Any],
-    quality: dict[str, Any] | None,
-    load: dict[str, Any] | None,
-) -> dict[str, Any]:
-    ev = manifest.get("eval", {})
+def variant_row(name: str, manifest: Manifest, evals: VariantEvals) -> dict[str, Any]:
+    ev = manifest.eval
     row: dict[str, Any] = {
         "variant": name,
-        "kind": manifest.get("kind"),
+        "kind": manifest.kind,
         "steps": describe_steps(manifest),
-        "parameters": manifest.get("parameters"),
-        "trainable_parameters": ev.get("trainable_parameters") or None,
-        "weight_bytes": ev.get("bytes_in_memory"),
-        "bytes_on_disk": manifest.get("bytes_on_disk"),
+        "parameters": manifest.parameters,
+        "trainable_parameters": (ev.trainable_parameters or None) if ev else None,
+        "weight_bytes": ev.bytes_in_memory if ev else None,
+        "bytes_on_disk": manifest.bytes_on_disk,
     }
-    for task, metrics in (quality or {}).get("tasks", {}).items():
-        top = headline(metrics)
+    for task, score in (evals.quality.tasks if evals.quality else {}).items():
+        top = headline(score)
         if top:
             row[task] = top[1]
-            row[f"{task}_stderr"] = metrics.get(f"{top[0]}_stderr")
-        if "bits_per_byte" in metrics:
-            row[f"{task}_bits_per_byte"] = metrics["bits_per_byte"]
-    div = (quality or {}).get("divergence") or {}
-    for data, stats in div.get("data", {}).items():
+            row[f"{task}_stderr"] = score.metric(f"{top[0]}_stderr")
+        if score.bits_per_byte is not None:
+            row[f"{task}_bits_per_byte"] = score.bits_per_byte
+    for data, stats in (evals.divergence.data if evals.divergence else {}).items():
         for prefix, stat, stderr, *_ in DIVERGENCE:
-            row[f"{prefix}_{data}"] = stats[stat]
+            row[f"{prefix}_{data}"] = getattr(stats, stat)
             if stderr:
-                row[f"{prefix}_{data}_stderr"] = stats[stderr]
-    row.update(load_columns(load))
+                row[f"{prefix}_{data}_stderr"] = getattr(stats, stderr)
+    row.update(load_columns(evals.load))
     return row
 
 
-def task_label(task: str, quality: dict[str, Any], lower: bool) -> str:
+def task_label(task: str, measured: dict[str, VariantEvals], lower: bool) -> str:
     """`task (acc, n=100, validation split)`: n and split of the first variant that has them."""
-    for results in quality.values():
-        metrics = (results or {}).get("tasks", {}).get(task)
-        if metrics:
-            parts = ["word ppl" if lower else "acc", f"n={metrics['samples']:.0f}"]
-            if "split" in metrics:
-                parts.append(f"{metrics['split']} split")
+    for evals in measured.values():
+        score = task_score(evals, task)
+        if score:
+            parts = ["word ppl" if lower else "acc", f"n={score.samples:.0f}"]
+            if score.split is not None:
+                parts.append(f"{score.split} split")
             return f"{task} ({', '.join(parts)})"
     return task
 
 
-def divergence_columns(quality: dict[str, Any]) -> list[dict[str, Any]]:
+def divergence_columns(measured: dict[str, VariantEvals]) -> list[dict[str, Any]]:
     """Token perplexity, bits per byte, KL and top-1 agreement against the reference variant, per
     data set."""
-    for results in quality.values():
-        div = (results or {}).get("divergence")
+    for evals in measured.values():
+        div = evals.divergence
         if div:
             cols = []
-            for data in div["data"]:
+            for data in div.data:
                 for prefix, _, stderr, label, kind, better in DIVERGENCE:
                     col = {
                         "key": f"{prefix}_{data}",
-                        "label": label.format(ref=div["reference"], data=data),
+                        "label": label.format(ref=div.reference, data=data),
                         "format": kind,
                         "better": better,
                     }
@@ -153,14 +149,16 @@ def divergence_columns(quality: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
-def add_recovery(rows: list[dict[str, Any]], tasks: list[str], quality: dict[str, Any]) -> None:
+def add_recovery(
+    rows: list[dict[str, Any]], tasks: list[str], measured: dict[str, VariantEvals]
+) -> None:
     """`recovery_<task>` in percent against the base row (the variant named `base`, else the
     first); a row without the task gets None."""
     if not rows:
         return
     base = next((r for r in rows if r["variant"] == "base"), rows[0])
     for task in tasks:
-        metric = task_metric(quality, task)
+        metric = task_metric(measured, task)
         for r in rows:
             value, ref = r.get(task), base.get(task)
             if value is None or not ref or metric is None:
@@ -194,7 +192,9 @@ def pareto_front(rows: list[dict[str, Any]], quality_key: str, lower_better: boo
     return front
 
 
-def columns(tasks: list[str], quality: dict[str, Any], load_settings: dict | None) -> list[dict]:
+def columns(
+    tasks: list[str], measured: dict[str, VariantEvals], load_settings: dict | None
+) -> list[dict]:
     """The table's columns: key, label, unit format and which direction is better."""
     cols: list[dict[str, Any]] = [
         {"key": "variant", "label": "variant", "format": "text"},
@@ -204,13 +204,13 @@ def columns(tasks: list[str], quality: dict[str, Any], load_settings: dict | Non
         {"key": "kv_bytes_per_token", "label": "KV B/token", "format": "int", "better": "lower"},
     ]
     for task in tasks:
-        metric = task_metric(quality, task)
+        metric = task_metric(measured, task)
         if metric is None:
             continue
         lower = lower_is_better(metric)
         column = {
             "key": task,
-            "label": task_label(task, quality, lower),
+            "label": task_label(task, measured, lower),
             "format": "float" if lower else "pct",
             "better": "lower" if lower else "higher",
         }
@@ -225,7 +225,7 @@ def columns(tasks: list[str], quality: dict[str, Any], load_settings: dict | Non
                 "better": "higher",
             }
         )
-    cols += divergence_columns(quality)
+    cols += divergence_columns(measured)
     if load_settings:
         cols += [
             {

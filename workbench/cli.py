@@ -12,9 +12,8 @@ from rich.table import Table
 
 from evals.load_cli import add_bench_arguments
 from serve.server_cli import add_serve_arguments, int_in
-from workbench.distributed import is_main
 from workbench.pipeline import Pipeline, PipelineError, VariantResult
-from workbench.recipe import Recipe, RecipeError, load_recipe
+from workbench.recipe import RecipeError, load_recipe
 
 console = Console(stderr=True)
 out = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes get whole tables
@@ -58,28 +57,17 @@ def _variants_table(results: list[VariantResult]) -> Table:
         table.add_row(
             r.name,
             r.status,
-            m.get("kind", "?"),
-            f"{m.get('parameters', 0):,}",
-            _size(m.get("bytes_on_disk", 0)),
-            f"{m.get('wall_seconds', 0):.1f} s",
-            _size(m.get("peak_memory_bytes", 0)),
+            m.kind,
+            f"{m.parameters:,}",
+            _size(m.bytes_on_disk),
+            f"{m.wall_seconds:.1f} s",
+            _size(m.peak_memory_bytes),
         )
     return table
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    recipe, base = load_recipe(args.recipe)
-    unknown = sorted(set(args.variant or []) - {v.name for v in recipe.variants})
-    if unknown:
-        allowed = ", ".join(v.name for v in recipe.variants)
-        raise RecipeError(
-            Path(args.recipe),
-            [f"--variant {', '.join(unknown)}: not in the recipe; allowed: {allowed}"],
-        )
-    work_dir = Path(args.work_dir or Path("runs") / recipe.name)
-    console.print(
-        f"recipe [bold]{recipe.name}[/]: base {base.name} ({base.kind}), work dir {work_dir}"
-    )
+    from workbench.run import run
 
     def show(r: VariantResult) -> None:
         console.print(
@@ -88,52 +76,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         if r.rebuilt_because:
             console.print(f"    [yellow]rebuilt, not reused:[/] {r.rebuilt_because}")
 
-    from workbench.artifact_eval import evaluate
-
-    pipeline = Pipeline(
-        recipe,
-        base,
-        work_dir,
+    result = run(
+        args.recipe,
+        args.work_dir,
+        variants=args.variant,
         force=args.force,
-        evaluate=evaluate,
         keep_checkpoints=args.keep_checkpoints,
+        on_variant=show,
+        progress=lambda line: console.print(f"  {line}"),
     )
-    results = pipeline.run(args.variant, on_result=show)
-    if not is_main():  # under accelerate launch / torchrun the main process reports
+    if result.report is None:  # a non-main process of a distributed run
         return 0
-    out.print(_variants_table(results))
-    built = [r.name for r in results if r.status == "built"]
-    reused = [r.name for r in results if r.status == "reused"]
+    out.print(_variants_table(result.variants))
     out.print(
-        f"built {len(built)} variant(s) {built}, reused {len(reused)} {reused}; "
-        f"manifests in {work_dir / 'variants'}/*/workbench.json"
+        f"built {len(result.built)} variant(s) {result.built}, reused {len(result.reused)} "
+        f"{result.reused}; manifests in {result.work_dir / 'variants'}/*/workbench.json"
     )
-    report_dir = Path(recipe.report.output_dir or Path("reports") / recipe.name)
-    _report(recipe, results, work_dir, report_dir, args.force)
+    out.print(_report_table(result.report))
+    out.print(
+        f"report: {result.report_dir / 'index.html'} "
+        f"(figures in {result.report_dir / 'report.json'})"
+    )
     return 0
-
-
-def _report(
-    recipe: Recipe, results: list[VariantResult], work_dir: Path, report_dir: Path, force: bool
-) -> None:
-    from reports.report import build_report, write_report
-    from workbench.variant_evals import measure_variants
-
-    measured = measure_variants(
-        recipe, results, work_dir, force, progress=lambda line: console.print(f"  {line}")
-    )
-    report = build_report(
-        recipe,
-        {r.name: r.manifest for r in results},
-        measured.quality,
-        measured.load,
-        measured.server_check,
-        measured.reused,
-        measured.answers,
-    )
-    write_report(report, report_dir)
-    out.print(_report_table(report))
-    out.print(f"report: {report_dir / 'index.html'} (figures in {report_dir / 'report.json'})")
 
 
 def _report_table(report: dict) -> Table:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from compress import STEPS, Artifact, StepContext, StepParams
 from compress.artifact import (
@@ -31,27 +31,24 @@ from compress.artifact import (
     count_parameters,
     dir_bytes,
     file_hashes,
-    read_manifest,
     remove_stale_tmp,
     verify_files,
-    write_manifest,
 )
 from compress.locking import file_lock
+from compress.manifest import (
+    ArtifactEval,
+    BaseRecord,
+    Manifest,
+    ParentRef,
+    RecipeRef,
+    StepRecord,
+    VariantResult,
+)
 from compress.registry import StepError
 from workbench.base_model import BaseRef, base_artifact, base_fingerprint
 from workbench.distributed import barrier, is_main, scratch_dir
 from workbench.measure import PeakMemory, package_versions
 from workbench.recipe import Recipe, Variant
-
-
-@dataclass(frozen=True)
-class VariantResult:
-    name: str
-    path: Path
-    status: Literal["built", "reused"]
-    manifest: dict[str, Any]
-    rebuilt_because: str | None = None
-    """Why an artifact with the right hash was rebuilt instead of reused (its files changed)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +82,7 @@ class PipelineError(Exception):
         super().__init__("\n".join(problems))
 
 
-Evaluate = Callable[[Artifact], dict[str, Any]]
+Evaluate = Callable[[Artifact], ArtifactEval]
 """Measures a finished variant (memory, load time, perplexities) for its manifest."""
 
 
@@ -159,17 +156,18 @@ class Pipeline:
         final = self.work_dir / "variants" / variant.name
         barrier()  # every process decides on the same files
         problems: list[str] = []
-        if not self.force and _reusable(final, calls[-1].hash, problems):
-            return VariantResult(variant.name, final, "reused", read_manifest(final) or {})
-        artifact, parent = base, {"path": str(base.path), "hash": base_hash}
+        if not self.force and (reused := _reusable(final, calls[-1].hash, problems)):
+            return VariantResult(variant.name, final, "reused", reused)
+        artifact, parent = base, ParentRef(path=str(base.path), hash=base_hash)
         for i, call in enumerate(calls):
             out = final if i == len(calls) - 1 else self.work_dir / "artifacts" / call.hash
             if out != final and not self.force and _reusable(out, call.hash, problems):
                 artifact = artifact_from_manifest(out)
             else:
                 artifact = self._apply(variant, calls[: i + 1], artifact, parent, out)
-            parent = {"path": str(out), "hash": call.hash}
-        manifest = read_manifest(final) or {}
+            parent = ParentRef(path=str(out), hash=call.hash)
+        manifest = Manifest.read(final)
+        assert manifest is not None, f"{final}: written by this run"
         return VariantResult(variant.name, final, "built", manifest, "; ".join(problems) or None)
 
     def _apply(
@@ -177,7 +175,7 @@ class Pipeline:
         variant: Variant,
         calls: list[_StepCall],
         artifact: Artifact,
-        parent: dict[str, str],
+        parent: ParentRef,
         out: Path,
     ) -> Artifact:
         call = calls[-1]
@@ -199,32 +197,32 @@ class Pipeline:
             started = time.perf_counter()
             with PeakMemory() as peak:
                 made = step.apply(artifact, dataclasses.replace(ctx, out_dir=tmp))
-            manifest = {
-                "variant": variant.name,
-                "kind": made.kind,
-                "quantization": made.quantization,
-                "hash": call.hash,
-                "recipe": {"name": self.recipe.name, "hash": self.recipe_hash},
-                "base": {"kind": self.base.kind, "name": self.base.name},
-                "steps": [
-                    {"name": c.name, "params": c.params.model_dump(mode="json"), "hash": c.hash}
+            wall_seconds = round(time.perf_counter() - started, 3)
+            measured = self.evaluate(dataclasses.replace(made, path=tmp)) if self.evaluate else None
+            Manifest(
+                variant=variant.name,
+                kind=made.kind,
+                quantization=made.quantization,
+                hash=call.hash,
+                recipe=RecipeRef(name=self.recipe.name, hash=self.recipe_hash),
+                base=BaseRecord(kind=self.base.kind, name=self.base.name),
+                steps=[
+                    StepRecord(name=c.name, params=c.params.model_dump(mode="json"), hash=c.hash)
                     for c in calls
                 ],
-                "parent": parent,
-                "parameters": parameter_count(made.kind, tmp),
-                "stored_tensor_elements": count_parameters(tmp),
-                "bytes_on_disk": dir_bytes(tmp),
-                "wall_seconds": round(time.perf_counter() - started, 3),
-                "peak_memory_bytes": peak.bytes,
-                "peak_cuda_memory_bytes": peak.cuda_bytes,
-                "packages": package_versions(),
-                "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "info": made.info,
-                "files": file_hashes(tmp),
-            }
-            if self.evaluate is not None:
-                manifest["eval"] = self.evaluate(dataclasses.replace(made, path=tmp))
-            write_manifest(tmp, manifest)
+                parent=parent,
+                parameters=parameter_count(made.kind, tmp),
+                stored_tensor_elements=count_parameters(tmp),
+                bytes_on_disk=dir_bytes(tmp),
+                wall_seconds=wall_seconds,
+                peak_memory_bytes=peak.bytes,
+                peak_cuda_memory_bytes=peak.cuda_bytes,
+                packages=package_versions(),
+                created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                info=made.info,
+                files=file_hashes(tmp),
+                eval=measured,
+            ).write(tmp)
         shutil.rmtree(checkpoints, ignore_errors=True)
         barrier()
         return dataclasses.replace(made, path=out)
@@ -261,13 +259,14 @@ def parameter_count(kind: str, path: Path) -> int:
     return sum(p.numel() for p in _meta_model(path).parameters())
 
 
-def _reusable(path: Path, expected: str, problems: list[str]) -> bool:
-    """The artifact at `path` has the expected hash and its files are intact; when the hash is
-    right but the files are not, the reason is appended to `problems`."""
-    manifest = read_manifest(path)
-    if manifest is None or manifest.get("hash") != expected:
-        return False
-    problem = verify_files(path, manifest)
+def _reusable(path: Path, expected: str, problems: list[str]) -> Manifest | None:
+    """The manifest of the artifact at `path` when it has the expected hash and its files are
+    intact; when the hash is right but the files are not, the reason is appended to `problems`."""
+    manifest = Manifest.read(path)
+    if manifest is None or manifest.hash != expected:
+        return None
+    problem = verify_files(path, manifest.to_json())
     if problem is not None:
         problems.append(f"{path}: {problem}")
-    return problem is None
+        return None
+    return manifest

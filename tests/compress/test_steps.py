@@ -11,7 +11,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from compress.artifact import MANIFEST, artifact_from_manifest
-from workbench.artifact_eval import evaluate
+from evals.artifact_eval import evaluate
 from workbench.pipeline import Pipeline, PipelineError
 from workbench.recipe import load_recipe
 
@@ -39,7 +39,7 @@ def built(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dic
     (root / "recipe.yaml").write_text(RECIPE)
     recipe, base = load_recipe(root / "recipe.yaml")
     results = Pipeline(recipe, base, root / "work", evaluate=evaluate).run()
-    return {r.name: {"path": r.path, **r.manifest} for r in results}
+    return {r.name: {"path": r.path, **r.manifest.to_json()} for r in results}
 
 
 def _layer(path: Path) -> torch.nn.Module:

@@ -11,7 +11,7 @@ from workbench.cli import main
 
 def test_percentiles() -> None:
     p = percentiles([float(i) for i in range(1, 101)])
-    assert (p["p50"], p["p95"], p["p99"], p["mean"]) == (50.5, 95.05, 99.01, 50.5)
+    assert (p.p50, p.p95, p.p99, p.mean) == (50.5, 95.05, 99.01, 50.5)
 
 
 def test_bench_finds_kv_saturation(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -83,15 +83,15 @@ def test_bench_url_against_a_server_without_workbench_metrics(
 ) -> None:
     url, kv_usage = foreign_server
     result = sweep(url, [1, 3], [8], 5, requests_per_point=6)
-    assert result["server"]["model"] == "other"
-    assert result["server"]["kv_blocks"] is None and result["kv_tokens"] is None
-    assert [p["concurrency"] for p in result["points"]] == [1, 3]
-    for point in result["points"]:
-        assert point["requests"] == 6 and point["failed"] == 0
-        assert point["output_throughput"] > 0 and point["ttft"]["p50"] > 0
-        assert point["kv_full_queued_steps"] == 0 and not point["saturated"]
-    assert result["saturation"]["8"] == {
+    assert result.server.model == "other"
+    assert result.server.kv_blocks is None and result.kv_tokens is None
+    assert [p.concurrency for p in result.points] == [1, 3]
+    for point in result.points:
+        assert point.requests == 6 and point.failed == 0
+        assert point.output_throughput > 0 and point.ttft.p50 > 0
+        assert point.kv_full_queued_steps == 0 and not point.saturated
+    assert result.saturation["8"].to_json() == {
         "measured_concurrency": None,
         "estimated_concurrency": None,
     }
-    assert all(point["peak_kv_usage"] == kv_usage for point in result["points"])
+    assert all(point.peak_kv_usage == kv_usage for point in result.points)

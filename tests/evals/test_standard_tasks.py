@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from evals import standard_tasks
 from evals.quality import TaskRequest, check_task, evaluate_model, summarize
-from workbench.recipe import QualityTask
+from evals.settings import QualityTask
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""A real `workbench run` of tests/reports/small.yaml, shared by the report and dashboard tests."""
+"""A real run of tests/reports/small.yaml (`workbench.run.run`, the CLI's own call), shared by the
+report and dashboard tests."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from workbench.run import RunResult, run
 
 RECIPE = Path(__file__).with_name("small.yaml")
 
@@ -18,11 +22,21 @@ RECIPE = Path(__file__).with_name("small.yaml")
 class Run:
     root: Path
     """The working directory: recipe.yaml, runs/small/, reports/small/."""
-    output: str
+    result: RunResult
 
     @property
     def report_dir(self) -> Path:
         return self.root / "reports" / "small"
+
+
+def run_in(root: Path, **kwargs: Any) -> RunResult:
+    """`workbench run recipe.yaml` in `root`, in this process."""
+    return run(
+        root / "recipe.yaml",
+        root / "runs" / "small",
+        report_dir=root / "reports" / "small",
+        **kwargs,
+    )
 
 
 def workbench_run(root: Path, *flags: str) -> str:
@@ -43,4 +57,4 @@ def workbench_run(root: Path, *flags: str) -> str:
 def small_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     root = tmp_path_factory.mktemp("small-run")
     shutil.copy(RECIPE, root / "recipe.yaml")
-    return Run(root, workbench_run(root))
+    return Run(root, run_in(root))

@@ -13,17 +13,33 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from catalog import ensure_demo_model
 from evals.quality import TaskRequest, evaluate_model, summarize
 from reports.report import cell
-from tests.reports.conftest import Run, workbench_run
+from tests.reports.conftest import Run, run_in, workbench_run
 
 TASKS = ["corpus_ppl", "corpus_cloze", "shift_ppl", "shop_colours"]
 VARIANTS = ["base", "int8", "shop-lora"]
 CONCURRENCY, PROMPT_LENS, MAX_TOKENS = [1, 4, 8, 16, 32], [16, 48], 16
 
-pytestmark = pytest.mark.e2e  # `workbench run` as a subprocess, a browser
+pytestmark = pytest.mark.e2e  # servers in subprocesses, the CLI as one
 
 
 def report_of(run: Run) -> dict:
     return json.loads((run.report_dir / "report.json").read_text())
+
+
+def test_run_returns_the_typed_values_it_reported(small_run: Run) -> None:
+    result, report = small_run.result, report_of(small_run)
+    assert [v.name for v in result.variants] == VARIANTS and result.built == VARIANTS
+    assert result.measurements is not None and result.report is not None
+    later = {"created", "reused"}  # a later test reruns the recipe through the CLI
+    returned = json.loads(json.dumps(result.report))
+    assert {k: v for k, v in returned.items() if k not in later} == {
+        k: v for k, v in report.items() if k not in later
+    }
+    for v, entry in zip(result.variants, report["variants"], strict=True):
+        assert entry["manifest"]["hash"] == v.manifest.hash
+        load = result.measurements.load[v.name]
+        assert entry["load"] == json.loads(json.dumps(load.to_json()))
+        assert entry["row"]["peak_output_tok_s"] == max(p.output_throughput for p in load.points)
 
 
 def test_quality_comes_from_lm_eval_over_the_local_tasks(small_run: Run) -> None:
@@ -149,10 +165,11 @@ def _eval_files(root: Path) -> dict[str, float]:
 
 
 def test_rerun_reuses_variants_and_measurements(small_run: Run) -> None:
+    """Through the CLI, which prints what `run` returned."""
     before = _eval_files(small_run.root)
     output = workbench_run(small_run.root)
-    assert "built 0 variant(s)" in output
-    report = report_of(small_run)
+    assert "built 0 variant(s) [], reused 3 ['base', 'int8', 'shop-lora']" in output
+    report = json.loads((small_run.report_dir / "report.json").read_text())
     expected = [f"{v}/{what}" for v in VARIANTS for what in ("quality", "divergence", "load")]
     assert sorted(report["reused"]) == sorted([*expected, "base/server_check"])
     assert _eval_files(small_run.root) == before
@@ -164,9 +181,9 @@ def test_force_builds_and_measures_again(small_run: Run, tmp_path: Path) -> None
     before = json.loads((root / "runs/small/variants/base/workbench.json").read_text())
     measured_before = {k: v for k, v in _eval_files(root).items() if "/evals/base/" in k}
     assert len(measured_before) == 5  # quality, divergence, answers, load, server_check
-    output = workbench_run(root, "--force", "--variant", "base")
-    assert "built 1 variant(s) ['base']" in output
-    report = report_of(Run(root, output))
+    result = run_in(root, force=True, variants=["base"])
+    assert result.built == ["base"] and result.reused == []
+    report = report_of(Run(root, result))
     assert report["reused"] == [] and [v["name"] for v in report["variants"]] == ["base"]
     after = json.loads((root / "runs/small/variants/base/workbench.json").read_text())
     assert after["hash"] == before["hash"]

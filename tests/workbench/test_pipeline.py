@@ -148,9 +148,9 @@ def test_killed_run_leaves_no_half_written_variant(tmp_path: Path, tiny_model_di
 def test_divergence_without_its_reference_in_the_run_is_skipped(tmp_path: Path) -> None:
     """`workbench run --variant int8` builds only int8: the divergence eval, whose reference is
     `base`, is skipped (it used to raise StopIteration)."""
-    from workbench.pipeline import VariantResult
+    from compress.manifest import Manifest, VariantResult
+    from evals.variant_evals import Measurements, divergence_result, measure_variants
     from workbench.recipe import load_recipe
-    from workbench.variant_evals import Measurements, divergence_result, measure_variants
 
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text(
@@ -158,9 +158,10 @@ def test_divergence_without_its_reference_in_the_run_is_skipped(tmp_path: Path) 
         "evals: {divergence: {reference: base}}\n"
     )
     recipe, _ = load_recipe(recipe_file)
-    only = VariantResult("int8", tmp_path / "int8", "reused", {"hash": "x"})
-    assert divergence_result(recipe, only, [only], tmp_path, False) == (None, False)
+    manifest = Manifest.model_construct(hash="x", kind="model")  # what the evals read of it
+    only = VariantResult("int8", tmp_path / "int8", "reused", manifest)
+    assert divergence_result(recipe.evals, only, [only], tmp_path, False) == (None, False)
     said: list[str] = []
-    measured = measure_variants(recipe, [only], tmp_path, progress=said.append)
+    measured = measure_variants(recipe.evals, [only], tmp_path, progress=said.append)
     assert measured == Measurements() and not (tmp_path / "evals").exists()
     assert said == ["divergence int8: skipped, 'base' is not in this run (--variant base)"]

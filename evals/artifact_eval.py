@@ -19,6 +19,7 @@ from catalog import data as demo_data
 from compress import Artifact
 from compress.artifact import load_kwargs
 from compress.data import load_texts, perplexity, token_rows
+from compress.manifest import ArtifactEval
 
 demo_data.register()  # the corpora measured below, also when called from Python directly
 
@@ -71,22 +72,26 @@ def rows_for(model: torch.nn.Module) -> int:
     return LARGE_MODEL_ROWS if large else EVAL_ROWS
 
 
-def evaluate(artifact: Artifact) -> dict[str, Any]:
+def evaluate(artifact: Artifact) -> ArtifactEval:
     from transformers import AutoTokenizer
 
     started = time.perf_counter()
     model = load_for_eval(artifact)
     load_seconds = time.perf_counter() - started
     tok = AutoTokenizer.from_pretrained(artifact.path)
-    out: dict[str, Any] = {
-        "load_seconds": round(load_seconds, 3),
-        "bytes_in_memory": memory_bytes(model),
-        "parameters_loaded": sum(p.numel() for p in model.parameters()),
-        "trainable_parameters": sum(p.numel() for n, p in model.named_parameters() if "lora_" in n),
-        "eval_rows": rows_for(model),
-        "eval_seq_len": SEQ_LEN,
+    perplexities = {
+        name: perplexity(
+            model, token_rows(tok, load_texts(name, "validation"), SEQ_LEN)[: rows_for(model)]
+        )
+        for name in ("corpus", "shift")
     }
-    for name in ("corpus", "shift"):
-        rows = token_rows(tok, load_texts(name, "validation"), SEQ_LEN)[: rows_for(model)]
-        out[f"perplexity_{name}"] = perplexity(model, rows)
-    return out
+    return ArtifactEval(
+        load_seconds=round(load_seconds, 3),
+        bytes_in_memory=memory_bytes(model),
+        parameters_loaded=sum(p.numel() for p in model.parameters()),
+        trainable_parameters=sum(p.numel() for n, p in model.named_parameters() if "lora_" in n),
+        eval_rows=rows_for(model),
+        eval_seq_len=SEQ_LEN,
+        perplexity_corpus=perplexities["corpus"],
+        perplexity_shift=perplexities["shift"],
+    )

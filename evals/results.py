@@ -1,0 +1,176 @@
+"""What the evals hand to the report, typed: per variant its lm-eval scores, its divergence from
+the reference variant, its load benchmark and its chat answers; per run the server check.
+
+Each is a `compress.record.Record`: stored in `<work dir>/evals/<variant>/*.json` and in
+`report.json` as exactly the JSON its `to_json` gives (the keys the report and the dashboard read).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compress.record import Omitted, Record
+
+
+class TaskScore(Record):
+    """One lm-eval task's headline metrics: accuracy for multiple choice, perplexities for
+    rolling loglikelihood; each with its standard error where lm-eval gives one."""
+
+    word_perplexity: Omitted[float] = None
+    word_perplexity_stderr: Omitted[float] = None
+    byte_perplexity: Omitted[float] = None
+    byte_perplexity_stderr: Omitted[float] = None
+    bits_per_byte: Omitted[float] = None
+    bits_per_byte_stderr: Omitted[float] = None
+    acc: Omitted[float] = None
+    acc_stderr: Omitted[float] = None
+    acc_norm: Omitted[float] = None
+    acc_norm_stderr: Omitted[float] = None
+    samples: float
+    """Documents scored (a group: the sum over its subtasks)."""
+    source: Omitted[str] = None
+    """A standard task's data: `hub` or `bundled`."""
+    split: Omitted[str] = None
+    data: Omitted[str] = None
+
+    def metric(self, name: str) -> float | None:
+        return getattr(self, name, None)
+
+
+class QualityResult(Record):
+    tasks: dict[str, TaskScore]
+    max_length: int
+    dtype: str
+    lm_eval_version: str
+    seconds: float
+
+
+class DivergenceStats(Record):
+    """A variant's next-token distribution against the reference's on one data set."""
+
+    kl_mean: float
+    kl_stderr: float
+    kl_median: float
+    kl_p99: float
+    top1_agreement: float
+    top1_agreement_stderr: float
+    perplexity: float
+    reference_perplexity: float
+    bits_per_byte: float
+    reference_bits_per_byte: float
+    windows: int
+    tokens: int
+
+
+class DivergenceResult(Record):
+    reference: str
+    dtype: str
+    data: dict[str, DivergenceStats]
+    seconds: float
+
+
+class Percentiles(Record):
+    p50: float
+    p95: float
+    p99: float
+    mean: float
+
+
+class Point(Record):
+    """One (concurrency, prompt length) point of the load ramp."""
+
+    concurrency: int
+    prompt_len: int
+    max_tokens: int
+    requests: int
+    seconds: float
+    request_throughput: float
+    output_throughput: float
+    ttft: Percentiles
+    tpot: Percentiles
+    """Seconds per output token after the first."""
+    e2e: Percentiles
+    peak_kv_usage: float
+    peak_waiting: float
+    preemptions: float
+    kv_full_queued_steps: float
+    """Engine steps of this point that ended with requests waiting while KV was >= 90% full."""
+    failed: int = 0
+    saturated: bool = False
+
+
+class ServerInfo(Record):
+    """The served model and its KV cache, as the server's `/metrics` say (None where a foreign
+    server does not say)."""
+
+    model: str
+    max_model_len: int | None
+    kv_blocks: float | None
+    block_size: float | None
+    kv_bytes_per_token: float | None
+
+
+class Saturation(Record):
+    measured_concurrency: int | None
+    """The first concurrency whose requests queued on a full KV cache (None: none did)."""
+    estimated_concurrency: float | None
+    """KV tokens / (prompt + output tokens)."""
+
+
+class LoadResult(Record):
+    server: ServerInfo
+    kv_tokens: float | None
+    points: list[Point]
+    saturation: dict[str, Saturation]
+    """By prompt length (a string: JSON keys)."""
+    adapter_requests: Omitted[float] = None
+    """An adapter variant: requests its server ran with it (proof the adapter, not the base, ran)."""
+
+    def at(self, prompt_len: int, concurrency: int) -> Point | None:
+        return next(
+            (p for p in self.points if p.prompt_len == prompt_len and p.concurrency == concurrency),
+            None,
+        )
+
+
+class ChatAnswer(Record):
+    prompt: str
+    answer: str
+    finish_reason: str | None
+    completion_tokens: int
+
+
+class TaskCheck(Record):
+    requests: int
+    max_abs_diff: float
+    max_rel_diff: float
+    ok: bool
+
+
+class ServerCheck(Record):
+    """lm-eval scored through the server against lm-eval in-process, on the first documents."""
+
+    abs_tol: float
+    rel_tol: float
+    tasks: dict[str, TaskCheck]
+    ok: bool
+    variant: str
+    documents_per_task: int
+
+
+class VariantEvals(Record):
+    """Everything measured for one variant (None: not asked for, or not in this run)."""
+
+    quality: QualityResult | None = None
+    divergence: DivergenceResult | None = None
+    load: LoadResult | None = None
+    answers: list[ChatAnswer] | None = None
+
+    def quality_json(self) -> dict[str, Any] | None:
+        """The report's `quality` entry: lm-eval's summary with the divergence beside it."""
+        if self.quality is None and self.divergence is None:
+            return None
+        out = self.quality.to_json() if self.quality else {}
+        if self.divergence is not None:
+            out["divergence"] = self.divergence.to_json()
+        return out

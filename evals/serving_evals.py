@@ -1,0 +1,277 @@
+"""Serving measurements of a recipe's variants: the load benchmark, chat answers and the server
+check, each against `python -m serve` in a subprocess.
+
+Model: one server per model; an adapter variant is measured on its base's server, hot-loaded
+over HTTP (`/v1/load_lora_adapter`), benchmarked under its own name and unloaded before the next
+one is loaded. A server starts only when something of its session must be measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from compress.artifact import artifact_from_manifest
+from compress.manifest import VariantResult
+from compress.record import Record
+from evals import stored
+from evals.results import ChatAnswer, LoadResult, ServerCheck
+from evals.settings import Evals, LoadEval
+from evals.variant_evals import Measurements, eval_max_length, load_model
+
+
+@dataclass
+class ServerSession:
+    """One server: a model variant (or an adapter's base that is no variant) and the adapters
+    measured on it."""
+
+    model_path: Path
+    model_variant: VariantResult | None
+    adapters: list[VariantResult] = field(default_factory=list)
+
+    @property
+    def members(self) -> list[VariantResult]:
+        return ([self.model_variant] if self.model_variant else []) + self.adapters
+
+
+def server_sessions(results: list[VariantResult]) -> list[ServerSession]:
+    sessions: dict[Path, ServerSession] = {}
+    for r in results:
+        if r.manifest.kind != "adapter":
+            sessions.setdefault(r.path.resolve(), ServerSession(r.path, r))
+    for r in results:
+        if r.manifest.kind == "adapter":
+            base = artifact_from_manifest(r.path).base
+            assert base is not None, f"{r.path}: an adapter's manifest names its base"
+            session = sessions.setdefault(base.resolve(), ServerSession(base, None))
+            session.adapters.append(r)
+    return list(sessions.values())
+
+
+def _adapter_rank(path: Path) -> int:
+    config = json.loads((path / "adapter_config.json").read_text())
+    return max(
+        [int(config.get("r", 8)), *(int(v) for v in (config.get("rank_pattern") or {}).values())]
+    )
+
+
+def serve_flags(evals: Evals, session: ServerSession) -> list[str]:
+    """The server's flags: the recipe's KV budget, a running cap above the ramp, and a context
+    long enough for the ramp's requests and the server check's windows (lm-eval's + 2)."""
+    load = evals.load
+    assert load is not None
+    flags = ["--max-num-seqs", str(load.max_num_seqs)]
+    if load.kv_cache_memory:
+        flags += ["--kv-cache-memory", load.kv_cache_memory]
+    longest = max(load.prompt_len) + load.max_tokens
+    if session.model_variant is not None and evals.quality:
+        longest = max(longest, eval_max_length(evals, session.model_variant) + 2)
+    if evals.chat_prompts:
+        longest = max(longest, _chat_length(evals, session.model_path))
+    flags += ["--max-model-len", str(longest)]
+    if session.adapters:
+        rank = max(_adapter_rank(a.path) for a in session.adapters)
+        roots = {a.path.resolve().parent for a in session.adapters}
+        root = roots.pop() if len(roots) == 1 else Path(os.path.commonpath(roots))
+        flags += ["--max-loras", "1", "--max-lora-rank", str(rank), "--lora-root", str(root)]
+    return flags
+
+
+def _chat_length(evals: Evals, model_path: Path) -> int:
+    """Tokens the longest chat prompt (template applied) and its answer take."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    lengths = []
+    for p in evals.chat_prompts:
+        encoded: Any = tok.apply_chat_template(  # return_dict: a mapping with input_ids
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True
+        )
+        lengths.append(len(encoded["input_ids"]))
+    return max(lengths) + evals.chat_max_tokens
+
+
+def load_key(load: LoadEval, variant: VariantResult) -> str:
+    return stored.key(variant.manifest.hash, load.model_dump(mode="json"))
+
+
+def _sweep(url: str, load: LoadEval, model: str) -> LoadResult:
+    from evals.load import sweep
+
+    return sweep(
+        url,
+        load.concurrency,
+        load.prompt_len,
+        load.max_tokens,
+        load.requests_per_point,
+        model,
+        load.requests_per_client,
+    )
+
+
+def _post(url: str, route: str, body: dict[str, Any]) -> None:
+    import httpx
+
+    r = httpx.post(f"{url}{route}", json=body, timeout=300)
+    if r.status_code != 200:
+        raise RuntimeError(f"{route} {body}: HTTP {r.status_code}: {r.text[:300]}")
+
+
+def adapter_requests(url: str, adapter: str) -> float:
+    """Requests the server has run with `adapter`, from its `workbench:lora_requests` counter."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "workbench:lora_requests_total" and sample.labels["adapter"] == adapter
+    )
+
+
+class StoredAnswers(Record):
+    answers: list[ChatAnswer]
+
+
+def _answers_key(evals: Evals, variant: VariantResult) -> str:
+    return stored.key(variant.manifest.hash, evals.chat_prompts, evals.chat_max_tokens)
+
+
+def _answers_path(work_dir: Path, variant: VariantResult) -> Path:
+    return work_dir / "evals" / variant.name / "answers.json"
+
+
+def _stored_answers(
+    evals: Evals, variant: VariantResult, work_dir: Path, force: bool
+) -> list[ChatAnswer] | None:
+    path, key = _answers_path(work_dir, variant), _answers_key(evals, variant)
+    found = None if force else stored.lookup(path, key, StoredAnswers)
+    return found.answers if found is not None else None
+
+
+def _ask(evals: Evals, url: str, variant: VariantResult, work_dir: Path) -> list[ChatAnswer]:
+    from evals.chat_answers import chat_answers
+
+    chat = chat_answers(url, variant.name, evals.chat_prompts, evals.chat_max_tokens)
+    answers = [ChatAnswer.from_json(a) for a in chat]
+    path, key = _answers_path(work_dir, variant), _answers_key(evals, variant)
+    stored.store(path, key, StoredAnswers(answers=answers))
+    return answers
+
+
+def run_session(
+    evals: Evals,
+    session: ServerSession,
+    work_dir: Path,
+    force: bool,
+    out: Measurements,
+    check: Callable[[str, str], None] | None = None,
+) -> dict[str, bool]:
+    """Measures the session's variants into `out` (load results, chat answers); {variant: its
+    load result was reused}. `check(url, served name)` runs once the server is up."""
+    from evals.load_cli import served
+
+    load = evals.load
+    assert load is not None
+    paths = {m.name: work_dir / "evals" / m.name / "load.json" for m in session.members}
+    reused: dict[str, bool] = {}
+    for m in session.members:
+        found = None if force else stored.lookup(paths[m.name], load_key(load, m), LoadResult)
+        if found is not None:
+            out.load[m.name], reused[m.name] = found, True
+        answers = _stored_answers(evals, m, work_dir, force)
+        if answers is not None:
+            out.answers[m.name] = answers
+    pending = [m for m in session.members if m.name not in reused]
+    asked = [m for m in session.members if m.name not in out.answers and evals.chat_prompts]
+    if not pending and not asked and check is None:
+        return reused
+    if session.model_variant is not None:
+        name, log_name = session.model_variant.name, session.model_variant.name
+    else:  # a base that is no variant of the recipe, serving only adapters
+        name, log_name = "adapter-base", f"{session.adapters[0].name}-base"
+    flags = ["--served-model-name", name, *serve_flags(evals, session)]
+    log = work_dir / "evals" / f"server-{log_name}.log"
+    with served(str(session.model_path), flags, log) as url:
+        if check is not None:
+            check(url, name)
+        for m in [m for m in session.members if m in pending or m in asked]:
+            is_adapter = m is not session.model_variant
+            if is_adapter:
+                _post(
+                    url,
+                    "/v1/load_lora_adapter",
+                    {"lora_name": m.name, "lora_path": str(m.path.resolve())},
+                )
+            if m in asked:
+                out.answers[m.name] = _ask(evals, url, m, work_dir)
+            if m in pending:
+                result = _sweep(url, load, m.name)
+                if is_adapter:  # proof that the hot-loaded adapter, not the base, ran them
+                    result = result.model_copy(
+                        update={"adapter_requests": adapter_requests(url, m.name)}
+                    )
+                stored.store(paths[m.name], load_key(load, m), result)
+                out.load[m.name], reused[m.name] = result, False
+            if is_adapter:
+                with contextlib.suppress(RuntimeError):
+                    _post(url, "/v1/unload_lora_adapter", {"lora_name": m.name})
+    return reused
+
+
+def _server_check(
+    evals: Evals, variant: VariantResult, work_dir: Path, force: bool, out: Measurements
+) -> Callable[[str, str], None] | None:
+    """The check to run on `variant`'s server, or None when a stored one is still valid."""
+    from evals.server_check import check_server
+
+    docs = evals.server_check_docs
+    if not evals.quality or docs == 0:
+        return None
+    key = stored.key(variant.manifest.hash, evals.quality_key(), evals.max_length, docs)
+    path = work_dir / "evals" / variant.name / "server_check.json"
+    found = None if force else stored.lookup(path, key, ServerCheck)
+    if found is not None:
+        out.server_check = found
+        out.reused.append(f"{variant.name}/server_check")
+        return None
+
+    def check(url: str, name: str) -> None:
+        model, tokenizer = load_model(variant)
+        tasks, max_length = evals.task_requests(), eval_max_length(evals, variant)
+        result = check_server(
+            url, name, model, tokenizer, str(variant.path), tasks, max_length, docs
+        )
+        record = {**result, "variant": variant.name, "documents_per_task": docs}
+        out.server_check = ServerCheck.from_json(record)
+        stored.store(path, key, out.server_check)
+
+    return check
+
+
+def measure_serving(
+    evals: Evals,
+    results: list[VariantResult],
+    work_dir: Path,
+    force: bool,
+    out: Measurements,
+    progress: Callable[[str], None],
+) -> None:
+    """Load, chat answers and (on the first model variant's server) the server check."""
+    checked = False
+    for session in server_sessions(results):
+        check = None
+        if session.model_variant is not None and not checked:
+            check = _server_check(evals, session.model_variant, work_dir, force, out)
+            checked = True
+        for name, reused in run_session(evals, session, work_dir, force, out, check).items():
+            progress(f"load {name}: {'reused' if reused else 'measured'}")
+            if reused:
+                out.reused.append(f"{name}/load")

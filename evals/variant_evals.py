@@ -1,0 +1,189 @@
+"""Measure every built variant for the report: quality with lm-eval, divergence from the
+reference variant, and (`evals.serving_evals`) serving under load.
+
+Each measurement is stored and reused as `evals.stored` describes; `measure_variants` hands the
+report one typed `Measurements`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from compress.artifact import artifact_from_manifest
+from compress.manifest import VariantResult
+from evals import stored
+from evals.results import (
+    ChatAnswer,
+    DivergenceResult,
+    LoadResult,
+    QualityResult,
+    ServerCheck,
+    TaskScore,
+    VariantEvals,
+)
+from evals.settings import Evals
+
+MAX_DEFAULT_LENGTH = 2048
+
+
+def eval_max_length(evals: Evals, variant: VariantResult) -> int:
+    if evals.max_length:
+        return evals.max_length
+    from transformers import AutoConfig
+
+    artifact = artifact_from_manifest(variant.path)
+    source = artifact.base if artifact.kind == "adapter" and artifact.base else variant.path
+    config = AutoConfig.from_pretrained(source)
+    return min(
+        int(getattr(config, "max_position_embeddings", 0) or 0) or MAX_DEFAULT_LENGTH,
+        MAX_DEFAULT_LENGTH,
+    )
+
+
+def load_model(variant: VariantResult, dtype: str = "float32") -> tuple[Any, Any]:
+    """The variant as lm-eval scores it (an adapter on its base), and its tokenizer."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from evals.artifact_eval import load_for_eval
+
+    artifact = artifact_from_manifest(variant.path)
+    model = load_for_eval(artifact, getattr(torch, dtype))
+    return model, AutoTokenizer.from_pretrained(variant.path)
+
+
+def measure_quality(evals: Evals, variant: VariantResult) -> QualityResult:
+    from lm_eval import __version__ as lm_eval_version
+
+    from evals.quality import evaluate_model, summarize
+
+    started = time.perf_counter()
+    model, tokenizer = load_model(variant, evals.dtype)
+    max_length = eval_max_length(evals, variant)
+    results = evaluate_model(
+        model, tokenizer, evals.task_requests(), max_length, batch_size=evals.batch_size
+    )
+    tasks = summarize(results, evals.task_names(), results["workbench_sources"])
+    return QualityResult(
+        tasks={name: TaskScore.from_json(scores) for name, scores in tasks.items()},
+        max_length=max_length,
+        dtype=evals.dtype,
+        lm_eval_version=lm_eval_version,
+        seconds=round(time.perf_counter() - started, 2),
+    )
+
+
+def quality(
+    evals: Evals, variant: VariantResult, work_dir: Path, force: bool
+) -> tuple[QualityResult, bool]:
+    key = stored.key(variant.manifest.hash, evals.quality_key(), evals.max_length)
+    path = work_dir / "evals" / variant.name / "quality.json"
+    return stored.cached(path, key, force, QualityResult, lambda: measure_quality(evals, variant))
+
+
+def measure_divergence(
+    evals: Evals, variant: VariantResult, reference: VariantResult
+) -> DivergenceResult:
+    """KL / agreement / perplexity of `variant` against `reference`, per data set."""
+    from compress.data import load_texts, token_rows
+    from evals.divergence import divergence
+
+    settings = evals.divergence
+    assert settings is not None
+    started = time.perf_counter()
+    model, tokenizer = load_model(variant, settings.dtype)
+    same = variant.name == reference.name
+    ref_model = model if same else load_model(reference, settings.dtype)[0]
+    data = {}
+    for name in settings.data:
+        rows = token_rows(tokenizer, load_texts(name, "validation"), settings.seq_len)
+        rows = rows[: settings.windows]
+        scored = sum(len(tokenizer.decode(r[1:]).encode()) for r in rows.tolist())
+        data[name] = divergence(ref_model, model, rows, scored)
+    return DivergenceResult.from_json(
+        {
+            "reference": reference.name,
+            "dtype": settings.dtype,
+            "data": data,
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+    )
+
+
+def divergence_result(
+    evals: Evals,
+    variant: VariantResult,
+    results: list[VariantResult],
+    work_dir: Path,
+    force: bool,
+) -> tuple[DivergenceResult | None, bool]:
+    """(stats against the recipe's reference variant, reused); the reference against itself
+    gives its own perplexity and bits per byte. (None, False) when there is no divergence eval,
+    or `--variant` left the reference out of this run."""
+    settings = evals.divergence
+    reference = next((r for r in results if settings and r.name == settings.reference), None)
+    if settings is None or reference is None:
+        return None, False
+    key = stored.key(
+        variant.manifest.hash, reference.manifest.hash, settings.model_dump(mode="json")
+    )
+    path = work_dir / "evals" / variant.name / "divergence.json"
+    return stored.cached(
+        path, key, force, DivergenceResult, lambda: measure_divergence(evals, variant, reference)
+    )
+
+
+@dataclass
+class Measurements:
+    """What `measure_variants` hands the report, by variant name."""
+
+    quality: dict[str, QualityResult] = field(default_factory=dict)
+    divergence: dict[str, DivergenceResult] = field(default_factory=dict)
+    load: dict[str, LoadResult] = field(default_factory=dict)
+    answers: dict[str, list[ChatAnswer]] = field(default_factory=dict)
+    """Greedy chat answers, in the recipe's prompt order."""
+    server_check: ServerCheck | None = None
+    reused: list[str] = field(default_factory=list)
+    """`variant/quality`, `variant/load`, ... for every result taken from an earlier run."""
+
+    def of(self, name: str) -> VariantEvals:
+        return VariantEvals(
+            quality=self.quality.get(name),
+            divergence=self.divergence.get(name),
+            load=self.load.get(name),
+            answers=self.answers.get(name),
+        )
+
+
+def measure_variants(
+    evals: Evals,
+    results: list[VariantResult],
+    work_dir: Path,
+    force: bool = False,
+    progress: Callable[[str], None] = lambda _: None,
+) -> Measurements:
+    from evals.serving_evals import measure_serving
+
+    out = Measurements()
+    for r in results:
+        if evals.quality:
+            out.quality[r.name], reused = quality(evals, r, work_dir, force)
+            progress(f"quality {r.name}: {'reused' if reused else 'measured'}")
+            if reused:
+                out.reused.append(f"{r.name}/quality")
+        div, reused = divergence_result(evals, r, results, work_dir, force)
+        if div is None and evals.divergence is not None:
+            ref = evals.divergence.reference
+            progress(f"divergence {r.name}: skipped, {ref!r} is not in this run (--variant {ref})")
+        if div is not None:
+            out.divergence[r.name] = div
+            progress(f"divergence {r.name}: {'reused' if reused else 'measured'}")
+            if reused:
+                out.reused.append(f"{r.name}/divergence")
+    if evals.load is not None:
+        measure_serving(evals, results, work_dir, force, out, progress)
+    return out
