@@ -23,9 +23,14 @@ from collections.abc import Callable
 
 import torch
 
-from serve.attention import DECODE_GROUP_SIZE, AttentionMetadata, ReferenceBackend, SDPABackend
-from serve.cpu_attention import PagedCPUBackend
-from serve.step_inputs import decode_groups
+from serve.model.attention import (
+    DECODE_GROUP_SIZE,
+    AttentionMetadata,
+    ReferenceBackend,
+    SDPABackend,
+)
+from serve.model.cpu_attention import PagedCPUBackend
+from serve.model.step_inputs import decode_groups
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 8
 

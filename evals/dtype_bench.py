@@ -26,8 +26,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from evals.divergence import divergence
 from evals.step_bench import measure, resolve_model
-from serve.llm import LLM
-from serve.sampling_params import SamplingParams
+from serve.core.config import SchedulerConfig
+from serve.core.sampling_params import SamplingParams
+from serve.engine.llm import LLM
 
 
 def held_out(tokenizer: Any, name: str, seq_len: int) -> torch.Tensor:
@@ -68,9 +69,9 @@ def greedy_agreement(model_dir: Path, data: list[str], n: int, max_tokens: int) 
     outputs = {
         dtype: [
             c.token_ids
-            for c in LLM(model_dir, dtype=dtype, device="cpu", max_num_seqs=64).generate(
-                prompts, params
-            )
+            for c in LLM(
+                model_dir, dtype=dtype, device="cpu", scheduler=SchedulerConfig(max_num_seqs=64)
+            ).generate(prompts, params)
         ]
         for dtype in ("float32", "bfloat16")
     }

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel
 
 from serve import LLMEngine, SamplingParams
-from serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from evals.step_bench import resolve_model
-    from serve.host_memory import keep_freed_memory
+    from serve.model.host_memory import keep_freed_memory
 
     parser = argparse.ArgumentParser(prog="workbench bench-engine", description=__doc__)
     parser.add_argument(

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from serve import LLMEngine, SamplingParams
-from serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.lora.manager import LoraConfig
 
 TARGETS = {

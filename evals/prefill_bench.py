@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from serve import attention
-from serve.llm import LLM
-from serve.sampling_params import SamplingParams
+from serve.core.config import SchedulerConfig
+from serve.core.sampling_params import SamplingParams
+from serve.engine.llm import LLM
+from serve.model import attention
 
 
 class ThreeDPrefill(attention.SDPABackend):
@@ -68,9 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         args.model,
         device="cpu",
         dtype="float32",
-        max_num_batched_tokens=args.tokens,
-        max_model_len=args.tokens + 1,
-        enable_prefix_caching=False,
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.tokens,
+            max_model_len=args.tokens + 1,
+            enable_prefix_caching=False,
+        ),
     )
     systems = {"engine (4-D SDPA)": attention.SDPABackend(), "baseline (3-D SDPA)": ThreeDPrefill()}
     times: dict[str, list[float]] = {name: [] for name in systems}

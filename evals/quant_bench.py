@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from serve import LLMEngine, SamplingParams
-from serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 
 
 def tokens_per_second(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> float:

@@ -21,11 +21,11 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from serve.api_server import ServerSettings, build_app
-from serve.async_engine import AsyncEngine
-from serve.config import CacheConfig, ModelConfig, SchedulerConfig
-from serve.engine import LLMEngine
-from serve.metrics import ServerMetrics
+from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.engine.async_engine import AsyncEngine
+from serve.engine.llm_engine import LLMEngine
+from serve.engine.metrics import ServerMetrics
+from serve.http.server import ServerSettings, build_app
 
 
 def serve_in_thread(model: Path, max_model_len: int) -> tuple[str, uvicorn.Server]:

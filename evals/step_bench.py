@@ -31,10 +31,10 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from evals.engine_bench import default_llama_25m, load_baseline_model
-from serve.config import CacheConfig, ModelConfig, SchedulerConfig
-from serve.engine import LLMEngine
-from serve.host_memory import keep_freed_memory
-from serve.sampling_params import SamplingParams
+from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.core.sampling_params import SamplingParams
+from serve.engine.llm_engine import LLMEngine
+from serve.model.host_memory import keep_freed_memory
 
 DECODE_STEPS = 32
 BATCHES = (1, 16, 64)

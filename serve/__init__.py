@@ -1,7 +1,7 @@
 """The paged-KV continuous-batching engine and its Python API.
 
 The names below load on first use (PEP 562), so importing an engine-core module such as
-`serve.block_pool` or `serve.scheduler` does not load torch or transformers.
+`serve.core.block_pool` or `serve.core.scheduler` does not load torch or transformers.
 """
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from serve.engine import InvalidRequest, LLMEngine, RequestOutput
-    from serve.llm import LLM, Completion
-    from serve.sampling_params import SamplingParams
+    from serve.core.sampling_params import SamplingParams
+    from serve.engine.llm import LLM, Completion
+    from serve.engine.llm_engine import InvalidRequest, LLMEngine, RequestOutput
 
 _EXPORTS = {
-    "LLM": "serve.llm",
-    "Completion": "serve.llm",
-    "InvalidRequest": "serve.engine",
-    "LLMEngine": "serve.engine",
-    "RequestOutput": "serve.engine",
-    "SamplingParams": "serve.sampling_params",
+    "LLM": "serve.engine.llm",
+    "Completion": "serve.engine.llm",
+    "InvalidRequest": "serve.engine.llm_engine",
+    "LLMEngine": "serve.engine.llm_engine",
+    "RequestOutput": "serve.engine.llm_engine",
+    "SamplingParams": "serve.core.sampling_params",
 }
 __all__ = ["LLM", "Completion", "InvalidRequest", "LLMEngine", "RequestOutput", "SamplingParams"]
 

@@ -1,5 +1,5 @@
 """`python -m serve MODEL [flags]` (the same flags as `workbench serve`)."""
 
-from serve.server_cli import main
+from serve.http.cli import main
 
 raise SystemExit(main())

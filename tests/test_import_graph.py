@@ -65,27 +65,48 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b": ["x"]}, "b": {}}) is None
 
 
-def test_the_engine_core_does_not_import_the_http_server() -> None:
-    engine_core = ("engine", "scheduler", "block_pool", "kv_cache_manager", "model_runner")
-    for name in engine_core:
-        tree = ast.parse((ROOT / "serve" / f"{name}.py").read_text())
-        imported = {
-            alias.name if isinstance(node, ast.Import) else node.module or ""
-            for node in ast.walk(tree)
-            if isinstance(node, ast.Import | ast.ImportFrom)
-            for alias in node.names
-        }
-        assert not {m for m in imported if m.split(".")[0] in ("fastapi", "starlette", "uvicorn")}
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, lazily or not (relative imports do not occur here)."""
+    tree = ast.parse(path.read_text())
+    return {
+        alias.name if isinstance(node, ast.Import) else node.module or ""
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
 
 
-def test_the_scheduler_and_kv_blocks_load_without_torch() -> None:
-    """The engine core's bookkeeping is pure Python: importing it loads no torch (a fresh
-    interpreter, since this one has torch loaded already)."""
+SERVE_LAYERS = {  # a layer imports only the layers listed before it
+    "core": set(),
+    "lora": {"core"},
+    "model": {"core", "lora"},
+    "engine": {"core", "lora", "model"},
+    "http": {"core", "lora", "model", "engine"},
+}
+
+
+def test_serve_layers_import_only_downwards() -> None:
+    """serve.core <- serve.model <- serve.engine <- serve.http; nothing below the HTTP server
+    imports it or FastAPI / Starlette / uvicorn."""
+    for layer, allowed in SERVE_LAYERS.items():
+        for path in sorted((ROOT / "serve" / layer).glob("*.py")):
+            imported = _imports(path)
+            web = {m for m in imported if m.split(".")[0] in ("fastapi", "starlette", "uvicorn")}
+            assert layer == "http" or not web, f"{path}: {web}"
+            inner = {m.split(".")[1] for m in imported if m.startswith("serve.")}
+            assert inner <= allowed | {layer}, f"{path} imports serve.{inner - allowed - {layer}}"
+
+
+def test_the_engine_core_loads_without_torch() -> None:
+    """The engine core's bookkeeping (every module of serve.core) is pure Python: importing it
+    loads no torch, transformers or FastAPI (a fresh interpreter, since this one has torch
+    loaded already)."""
     import subprocess
     import sys
 
     probe = (
-        "import sys, serve.block_pool, serve.kv_cache_manager, serve.scheduler, serve.request; "
+        "import sys, pkgutil, importlib, serve.core as core; "
+        "[importlib.import_module(f'serve.core.{m.name}') for m in pkgutil.iter_modules(core.__path__)]; "
         "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))"
     )
     result = subprocess.run(

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from evals.load_cli import add_bench_arguments
-from serve.server_cli import add_serve_arguments, int_in
+from serve.http.cli import add_serve_arguments, int_in
 from workbench.pipeline import Pipeline, PipelineError, VariantResult
 from workbench.recipe import RecipeError, load_recipe
 
@@ -141,7 +141,7 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from serve.server_cli import resolve_model_name, run_server
+    from serve.http.cli import resolve_model_name, run_server
 
     resolve_model_name(args)
     return run_server(args)

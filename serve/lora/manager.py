@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from serve.core.config import Positive, check_fields
 from serve.lora.adapter import Adapter, AdapterError, load_adapter
 from serve.lora.layers import BATCHED_MAX_TOKENS, BatchedRows, LoraLinear, StepSlots, wrap
 
@@ -31,17 +32,17 @@ class AdapterLimit(AdapterError):
 
 @dataclass(frozen=True)
 class LoraConfig:
-    max_loras: int = 4
-    """Distinct adapters in one step (device slots)."""
-    max_lora_rank: int = 16
-    """Largest rank served; every slot is padded to it."""
-    max_cpu_loras: int = 16
-    """Adapters kept loaded on the host."""
+    max_loras: Positive = 4
+    """Distinct adapters in one step, i.e. device slots (giving any LoRA flag turns LoRA
+    serving on)."""
+    max_lora_rank: Positive = 16
+    """Largest adapter rank served; every slot is padded to it."""
+    max_cpu_loras: Positive = 16
+    """Adapters kept loaded on the host; loading one more is refused (409) unless the request
+    says "evict": true."""
 
     def __post_init__(self) -> None:
-        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_fields(self)
 
 
 class AdapterManager:

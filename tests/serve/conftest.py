@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
 from compress.artifact import load_kwargs
-from serve import cpu_attention
+from serve.model import cpu_attention
 
 needs_c_compiler = pytest.mark.skipif(
     cpu_attention.load_kernel() is None,

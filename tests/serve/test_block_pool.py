@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from serve.block_pool import BlockPool
-from serve.kv_cache_manager import KVCacheManager
-from serve.request import Request
-from serve.sampling_params import SamplingParams
+from serve.core.block_pool import BlockPool
+from serve.core.kv_cache_manager import KVCacheManager
+from serve.core.request import Request
+from serve.core.sampling_params import SamplingParams
 
 
 def ids(blocks: list) -> list[int]:

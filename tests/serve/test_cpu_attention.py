@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve import cpu_attention
-from serve.attention import AttentionMetadata, DecodeGroup, ReferenceBackend
-from serve.config import CacheConfig, ModelConfig
-from serve.engine import LLMEngine
-from serve.step_inputs import decode_groups
+from serve.core.config import CacheConfig, ModelConfig
+from serve.engine.llm_engine import LLMEngine
+from serve.model import cpu_attention
+from serve.model.attention import AttentionMetadata, DecodeGroup, ReferenceBackend
+from serve.model.step_inputs import decode_groups
 from tests.serve.conftest import needs_c_compiler
 
 

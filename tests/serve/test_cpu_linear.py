@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from serve.config import CacheConfig, ModelConfig
-from serve.cpu_linear import PackedLinear, prepack_linears
-from serve.engine import LLMEngine
-from serve.sampling_params import SamplingParams
+from serve.core.config import CacheConfig, ModelConfig
+from serve.core.sampling_params import SamplingParams
+from serve.engine.llm_engine import LLMEngine
+from serve.model.cpu_linear import PackedLinear, prepack_linears
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"

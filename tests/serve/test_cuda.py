@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from serve import LLMEngine, SamplingParams
-from serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from tests.serve.conftest import Case
 
 pytestmark = [

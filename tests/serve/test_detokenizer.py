@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from serve.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from serve.core.detokenizer import REPLACEMENT, IncrementalDetokenizer
 
 MULTI_BYTE = "naïve 日本語 🤖 café — ok. Ünïcödé ∑ x² → ∞ 🎉🎉 end"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from serve import LLMEngine, SamplingParams
-from serve.config import CacheConfig, ModelConfig, SchedulerConfig
-from serve.scheduler import SchedulerOutput
+from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.core.scheduler import SchedulerOutput
 from tests.serve.conftest import PAGED_CPU, Case, make_cases, reference_outputs
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from serve.config import ModelConfig, SchedulerConfig
-from serve.engine import LLMEngine
-from serve.server_cli import API_KEY_ENV
+from serve.core.config import ModelConfig, SchedulerConfig
+from serve.engine.llm_engine import LLMEngine
+from serve.http.cli import API_KEY_ENV
 from tests.serve.server_util import free_socket, start_thread_server, wait_healthy
 from workbench.cli import main
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 import torch
 
-from serve import openai_serving
-from serve.sampler import SampleInput, Sampler
-from serve.sampling_params import SamplingParams
+from serve.core.sampling_params import SamplingParams
+from serve.http import completions, serving
+from serve.model.sampler import SampleInput, Sampler
 from tests.serve.server_util import ThreadServer, start_thread_server
 from tests.serve.test_server import metrics
 
@@ -288,14 +288,14 @@ def test_tokenizing_runs_off_the_event_loop(
     server: ThreadServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     entered, release = threading.Event(), threading.Event()
-    real = openai_serving.encode
+    real = serving.encode
 
     def slow_encode(*args, **kwargs):  # type: ignore[no-untyped-def]
         entered.set()
         release.wait(30)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(openai_serving, "encode", slow_encode)
+    monkeypatch.setattr(completions, "encode", slow_encode)
     result: list[httpx.Response] = []
     worker = threading.Thread(
         target=lambda: result.append(post(server, "/v1/completions", {**GREEDY, "prompt": "hi"}))
@@ -318,9 +318,9 @@ def test_a_3mb_prompt_is_refused_after_tokenizing_a_bounded_prefix(server: Threa
             return tok(text, **kw)
 
     text = "the quick brown fox jumps. " * 120_000
-    with pytest.raises(openai_serving.RequestError, match="context length"):
-        openai_serving.encode(Spy(), text, 512)  # type: ignore[arg-type]
-    assert seen == [512 * openai_serving.CHARS_PER_TOKEN_BOUND]
+    with pytest.raises(serving.RequestError, match="context length"):
+        serving.encode(Spy(), text, 512)  # type: ignore[arg-type]
+    assert seen == [512 * serving.CHARS_PER_TOKEN_BOUND]
     r = post(server, "/v1/completions", {**GREEDY, "prompt": text})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 

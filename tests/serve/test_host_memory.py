@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-MODULE = Path(__file__).parents[2] / "serve" / "host_memory.py"
+MODULE = Path(__file__).parents[2] / "serve" / "model" / "host_memory.py"
 PROBE = (  # the module alone: importing the serve package would load torch (seconds per case)
     f"import importlib.util as u; s = u.spec_from_file_location('host_memory', {str(MODULE)!r}); "
     "m = u.module_from_spec(s); s.loader.exec_module(m); "

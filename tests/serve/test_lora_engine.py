@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from serve import LLMEngine, SamplingParams
-from serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve import InvalidRequest, LLMEngine, SamplingParams
+from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.lora.adapter import AdapterError
 from serve.lora.manager import LoraConfig
 from tests.serve.conftest import make_cases
@@ -296,3 +296,32 @@ def test_batched_lora_rows_equal_the_per_adapter_loop() -> None:
     manager.step.groups = untouched
     manager.step.batched = manager._batched_rows(untouched, 2, 9)
     assert torch.equal(layer(x), layer.base(x))
+
+
+def test_llm_takes_the_configs_and_runs_adapters_per_prompt(
+    model_dirs: dict[str, Path], adapters: dict[str, Path]
+) -> None:
+    """`LLM(model, cache=, scheduler=, lora=, loras=)`: one prompt per adapter (and the base) in
+    one call, each equal to PEFT's greedy generate."""
+    from serve import LLM
+    from serve.core.sampling_params import SamplingParams as Params
+
+    model_dir = model_dirs["llama"]
+    prompts = [c.prompt for c in make_cases(3, seed=5, vocab=500, max_prompt=30)]
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(block_size=16, num_blocks=128),
+        scheduler=SchedulerConfig(max_num_batched_tokens=128),
+        lora=LoraConfig(max_loras=2, max_lora_rank=16),
+        loras={"qv4": adapters["qv4"], "all8-rs": adapters["all8-rs"]},
+    )
+    names: list[str | None] = ["qv4", None, "all8-rs"]
+    out = llm.generate(prompts, Params(max_tokens=8, temperature=0), lora=names)
+    for prompt, name, completion in zip(prompts, names, out, strict=True):
+        expected = peft_greedy(model_dir, adapters[name] if name else None, [prompt], 8)[0]
+        assert completion.token_ids == expected, name
+    with pytest.raises(InvalidRequest, match="'nope' is not loaded"):
+        llm.generate(prompts[:1], lora="nope")
+    assert llm.engine.scheduler.pool.num_free_blocks == llm.engine.runner.num_blocks

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from serve import LLMEngine
-from serve.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from tests.serve.conftest import make_cases, reference_outputs
 from tests.serve.test_engine_exact import make_engine, run
 from workbench.pipeline import Pipeline

@@ -9,13 +9,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from serve import LLM, SamplingParams
-from serve.request import FinishReason, Request
+from serve.core.config import CacheConfig
+from serve.core.request import FinishReason, Request
 from tests.serve.conftest import Case
 
 
 @pytest.fixture(scope="module")
 def llm(model_dirs: dict[str, Path]) -> LLM:
-    return LLM(model_dirs["llama"], device="cpu", dtype="float32", num_blocks=256)
+    return LLM(
+        model_dirs["llama"], device="cpu", dtype="float32", cache=CacheConfig(num_blocks=256)
+    )
 
 
 def test_seeded_samples_do_not_depend_on_the_batch(llm: LLM, cases: list[Case]) -> None:
@@ -104,8 +107,8 @@ def test_text_prompts_are_tokenized_with_bos(llm: LLM) -> None:
 
 
 def test_ignore_eos_keeps_generating() -> None:
-    from serve.config import SchedulerConfig
-    from serve.scheduler import Scheduler
+    from serve.core.config import SchedulerConfig
+    from serve.core.scheduler import Scheduler
 
     s = Scheduler(SchedulerConfig(), num_blocks=8, block_size=4)
     s.add_request(

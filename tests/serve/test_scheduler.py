@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve.config import SchedulerConfig
-from serve.request import FinishReason, Request, RequestStatus
-from serve.sampling_params import SamplingParams
-from serve.scheduler import Scheduler, SchedulerOutput
+from serve.core.config import SchedulerConfig
+from serve.core.request import FinishReason, Request, RequestStatus
+from serve.core.sampling_params import SamplingParams
+from serve.core.scheduler import Scheduler, SchedulerOutput
 
 EOS = 1
 

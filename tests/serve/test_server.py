@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serve import LLM, SamplingParams
+from serve.core.config import CacheConfig
 from tests.serve.conftest import Case
 from tests.serve.server_util import ThreadServer, start_thread_server
 
@@ -26,7 +27,9 @@ def server(model_dirs: dict[str, Path]) -> Iterator[ThreadServer]:
 
 @pytest.fixture(scope="module")
 def offline(model_dirs: dict[str, Path]) -> LLM:
-    return LLM(model_dirs["llama"], device="cpu", dtype="float32", num_blocks=1024)
+    return LLM(
+        model_dirs["llama"], device="cpu", dtype="float32", cache=CacheConfig(num_blocks=1024)
+    )
 
 
 @pytest.fixture(scope="module")

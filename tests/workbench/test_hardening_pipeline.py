@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from compress import content_hash
 from compress.artifact import MANIFEST, file_sha256
 from compress.training import TrainConfig, train
-from serve.config import ModelConfig
-from serve.engine import LLMEngine
+from serve.core.config import ModelConfig
+from serve.engine.llm_engine import LLMEngine
 from serve.lora.adapter import AdapterError
 from serve.lora.manager import LoraConfig
 from workbench.cli import main

@@ -18,9 +18,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serve import LLMEngine, SamplingParams
-from serve.config import CacheConfig, ModelConfig, SchedulerConfig
-from serve.openai_serving import chat_job
-from serve.protocol import ChatCompletionRequest
+from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.http.chat import chat_job
+from serve.http.protocol import ChatCompletionRequest
 from tests.serve.server_util import start_thread_server
 from workbench.base_model import named_model_dir
 

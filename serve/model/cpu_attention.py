@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from compress.cache import cache_dir
-from serve.attention import DecodeGroup, SDPABackend
+from serve.model.attention import DecodeGroup, SDPABackend
 
 log = logging.getLogger(__name__)
 

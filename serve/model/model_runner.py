@@ -17,18 +17,18 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from compress.artifact import check_intact, load_kwargs
-from serve import cpu_attention
-from serve.attention import (
+from serve.core.config import ATTENTION_BACKENDS, CacheConfig, ModelConfig
+from serve.core.scheduler import SchedulerOutput
+from serve.model import cpu_attention
+from serve.model.attention import (
     ATTENTION_NAME,
     AttentionBackend,
     ReferenceBackend,
     SDPABackend,
     step_context,
 )
-from serve.compilation import CompiledForward, CompileReport, warm_up
-from serve.config import ATTENTION_BACKENDS, CacheConfig, ModelConfig
-from serve.scheduler import SchedulerOutput
-from serve.step_inputs import StepInputs, build_step_inputs
+from serve.model.compilation import CompiledForward, CompileReport, warm_up
+from serve.model.step_inputs import StepInputs, build_step_inputs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_BYTES = 256 << 20

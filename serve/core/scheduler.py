@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from serve.block_pool import BlockPool
-from serve.config import SchedulerConfig, with_model_limit
-from serve.kv_cache_manager import KVCacheManager
-from serve.request import FinishReason, Request, RequestStatus
+from serve.core.block_pool import BlockPool
+from serve.core.config import SchedulerConfig, with_model_limit
+from serve.core.kv_cache_manager import KVCacheManager
+from serve.core.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(frozen=True)

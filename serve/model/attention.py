@@ -11,7 +11,7 @@ is the opaque custom op `workbench::paged_attention`.
 
 Backends implement `attend`: `SDPABackend` gathers each sequence's blocks and runs
 `scaled_dot_product_attention` (decoding sequences in batched calls of similar lengths), on any
-device; `PagedCPUBackend` (`serve/cpu_attention.py`) reads decode K/V from their blocks in place
+device; `PagedCPUBackend` (`serve/model/cpu_attention.py`) reads decode K/V from their blocks in place
 with a C kernel; `ReferenceBackend` is a plain per-sequence loop, kept as the readable definition
 to test against.
 """

@@ -21,27 +21,27 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from serve.compilation import why_not_compilable
-from serve.config import CacheConfig, ModelConfig, SchedulerConfig, with_model_limit
-from serve.cpu_linear import can_prepack, prepack_linears
-from serve.detokenizer import IncrementalDetokenizer
-from serve.host_memory import keep_freed_memory
-from serve.kv_cache_manager import cdiv
+from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig, with_model_limit
+from serve.core.detokenizer import IncrementalDetokenizer
+from serve.core.kv_cache_manager import cdiv
+from serve.core.request import FinishReason, Request
+from serve.core.sampling_params import SamplingParams
+from serve.core.scheduler import Scheduler, SchedulerOutput
+from serve.core.stats import EngineStats
 from serve.lora.adapter import Adapter
 from serve.lora.manager import AdapterManager, LoraConfig
-from serve.model_runner import (
+from serve.model.compilation import why_not_compilable
+from serve.model.cpu_linear import can_prepack, prepack_linears
+from serve.model.host_memory import keep_freed_memory
+from serve.model.model_runner import (
     ModelRunner,
     load_model,
     position_limit,
     resolve_device,
     resolve_dtype,
 )
-from serve.request import FinishReason, Request
-from serve.sampler import SampleInput, Sampler, token_logprobs
-from serve.sampling_params import SamplingParams
-from serve.scheduler import Scheduler, SchedulerOutput
-from serve.stats import EngineStats
-from serve.step_inputs import StepInputs
+from serve.model.sampler import SampleInput, Sampler, token_logprobs
+from serve.model.step_inputs import StepInputs
 
 
 @dataclass
@@ -337,4 +337,4 @@ class LLMEngine:
         )
 
     def stats(self) -> EngineStats:
-        return EngineStats.snapshot(self)
+        return EngineStats.snapshot(self.scheduler, self.last_step_tokens)

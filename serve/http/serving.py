@@ -1,4 +1,4 @@
-"""Completions and chat completions over the async engine: prompts in, OpenAI bodies out.
+"""What completions and chat completions share: a request as engine requests, and back.
 
 Model: one HTTP request becomes `len(prompts) * n` engine requests (choice i of prompt p is
 request `{id}-{p}-{i}`). They are all added before anything is returned, so a refused one turns
@@ -15,12 +15,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi.responses import StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
-from serve.async_engine import AsyncEngine, Tracked
-from serve.engine import RequestOutput
-from serve.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
-from serve.sampling_params import SamplingParams
+from serve.core.sampling_params import SamplingParams
+from serve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed, Tracked
+from serve.engine.llm_engine import RequestOutput
+from serve.http.protocol import error_body
 
 
 class ClientGone(Exception):
@@ -87,56 +88,6 @@ def encode(
                 code="context_length_exceeded",
             )
     return tok(text, add_special_tokens=add_special_tokens).input_ids
-
-
-def completion_job(
-    body: CompletionRequest, tok: PreTrainedTokenizerBase, max_model_len: int
-) -> Job:
-    """Blocking (tokenizes): call it off the event loop."""
-    prompts = [
-        encode(tok, p, max_model_len) if isinstance(p, str) else list(p) for p in body.prompts()
-    ]
-    if any(not p for p in prompts):
-        raise RequestError(400, "a prompt tokenizes to no tokens; send text or token ids", "prompt")
-    max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    check_lengths(prompts, max_tokens, max_model_len)
-    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    params = [
-        body.sampling_params(max_tokens, i, body.logprobs, prompt_logprobs)
-        for _ in prompts
-        for i in range(body.n)
-    ]
-    return Job(prompts, params, body.n, body.echo)
-
-
-def chat_job(
-    body: ChatCompletionRequest,
-    tok: PreTrainedTokenizerBase,
-    max_model_len: int,
-    context_limit: int,
-) -> Job:
-    """Blocking (tokenizes): call it off the event loop. Without max_tokens, a choice may run to
-    `context_limit` (max_model_len, or the KV cache's size when that is smaller)."""
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        assert isinstance(text, str)  # tokenize=False: the rendered conversation
-    except Exception as e:  # a template that rejects the conversation (e.g. role order)
-        raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from e
-    prompt = encode(tok, text, max_model_len, add_special_tokens=False)  # bos: the template's
-    requested = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
-    max_tokens = context_limit - len(prompt) if requested is None else requested
-    if max_tokens < 1 and requested is None:
-        raise RequestError(
-            400,
-            f"the conversation is {len(prompt)} tokens, which leaves no room for an answer in "
-            f"this server's context of {context_limit} tokens: shorten the messages",
-            param="messages",
-            code="context_length_exceeded",
-        )
-    check_lengths([prompt], max_tokens, max_model_len)
-    top = body.top_logprobs or 0 if body.logprobs else None
-    return Job([prompt], [body.sampling_params(max_tokens, i, top) for i in range(body.n)], body.n)
 
 
 async def add_all(engine: AsyncEngine, base_id: str, job: Job) -> list[Tracked]:
@@ -247,24 +198,23 @@ class TextDeltas:
         return out.text[start:upto]
 
 
-def completion_id() -> str:
-    return new_id("cmpl")
+def token_strings(tok: PreTrainedTokenizerBase, ids: list[int]) -> list[str]:
+    return tok.batch_decode([[i] for i in ids])
 
 
-def chat_id() -> str:
-    return new_id("chatcmpl")
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The events, and an error event then [DONE] if the engine fails the request mid-stream."""
+    try:
+        async for event in events:
+            yield event
+    except (RequestFailed, EngineDeadError) as e:
+        yield sse(error_body(str(e), "server_error"))
+        yield sse("[DONE]")
 
 
-__all__ = [
-    "ClientGone",
-    "Job",
-    "RequestError",
-    "add_all",
-    "chat_job",
-    "collect",
-    "completion_job",
-    "merged",
-    "now",
-    "sse",
-    "usage",
-]
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        _guarded(events),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -12,8 +12,8 @@ to produce logits, so a hit is cut to whole blocks within `num_tokens - 1`.
 
 from __future__ import annotations
 
-from serve.block_pool import BlockPool, KVBlock
-from serve.request import Request
+from serve.core.block_pool import BlockPool, KVBlock
+from serve.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from serve.engine import LLMEngine
+    from serve.core.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,7 @@ class EngineStats:
     """Used blocks / all blocks."""
 
     @classmethod
-    def snapshot(cls, engine: LLMEngine) -> EngineStats:
-        sched = engine.scheduler
+    def snapshot(cls, sched: Scheduler, last_step_tokens: int) -> EngineStats:
         pool, kv = sched.pool, sched.kv
         allocated = kv.num_slots_allocated()
         in_use = sum(r.num_computed_tokens for r in sched.running)
@@ -43,7 +42,7 @@ class EngineStats:
             num_preemptions=sched.num_preemptions,
             prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits,
-            num_scheduled_tokens=engine.last_step_tokens,
+            num_scheduled_tokens=last_step_tokens,
             kv_waste=(allocated - in_use) / allocated if allocated else 0.0,
             kv_usage=used / pool.num_blocks,
         )

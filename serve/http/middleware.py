@@ -11,7 +11,7 @@ import hmac
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.protocol import error_body
+from serve.http.protocol import error_body
 
 JSON = b"application/json"
 

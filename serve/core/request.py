@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from serve.sampling_params import SamplingParams
+from serve.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

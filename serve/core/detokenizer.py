@@ -13,8 +13,10 @@ newly appear: the new text and the `longest stop - 1` characters before it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT = "\ufffd"
 

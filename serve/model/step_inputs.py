@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from serve.attention import AttentionBackend, AttentionMetadata, DecodeGroup, SequenceSlice
-from serve.scheduler import SchedulerOutput
+from serve.core.scheduler import SchedulerOutput
+from serve.model.attention import AttentionBackend, AttentionMetadata, DecodeGroup, SequenceSlice
 
 
 @dataclass(frozen=True)

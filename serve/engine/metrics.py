@@ -11,7 +11,7 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from serve.stats import EngineStats
+from serve.core.stats import EngineStats
 
 _LATENCY_BUCKETS = (
     0.001,

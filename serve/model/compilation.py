@@ -26,8 +26,8 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
-from serve.kv_cache_manager import cdiv
-from serve.scheduler import ScheduledChunk, SchedulerOutput
+from serve.core.kv_cache_manager import cdiv
+from serve.core.scheduler import ScheduledChunk, SchedulerOutput
 
 WARM_UP_SHAPES: tuple[tuple[tuple[int, bool], ...], ...] = (
     ((3, True), (2, True)),  # T > 1, R > 1

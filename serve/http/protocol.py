@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from serve.core.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 MAX_N = 16
 MAX_PATH_CHARS = 4096

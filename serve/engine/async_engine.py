@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import queue
 import threading
@@ -25,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from serve.engine import InvalidRequest, LLMEngine, RequestOutput, StepFailed
-from serve.metrics import ServerMetrics
-from serve.sampling_params import SamplingParams
-from serve.stats import EngineStats
+from serve.core.sampling_params import SamplingParams
+from serve.core.stats import EngineStats
+from serve.engine.llm_engine import InvalidRequest, LLMEngine, RequestOutput, StepFailed
+from serve.engine.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,6 +74,13 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.stats: EngineStats = engine.stats()
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        """The server's own tokenizer (encoding prompts on worker threads, decoding response
+        fields on the loop); the engine thread detokenizes with the engine's, so no tokenizer
+        object is used on both sides."""
+        self.max_model_len: int = engine.max_model_len
+        self.context_limit: int = engine.context_limit
+        """Fixed when the engine is built: read by coroutines without reaching the engine."""
         self._adapter_names: tuple[str, ...] = (
             tuple(engine.adapters.current) if engine.adapters else ()
         )

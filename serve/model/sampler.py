@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serve.sampling_params import SamplingParams
+from serve.core.sampling_params import SamplingParams
 
 MIN_LOGPROB = -9999.0
 """Reported instead of -inf or NaN (as vLLM does)."""

@@ -1,0 +1,157 @@
+"""`POST /v1/chat/completions`: messages rendered with the model's chat template, choices with
+optional logprobs out, whole or as a server-sent-event stream of deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from transformers import PreTrainedTokenizerBase
+
+from serve.engine.async_engine import AsyncEngine, Tracked
+from serve.engine.llm_engine import RequestOutput
+from serve.http.protocol import ChatCompletionRequest, new_id, now
+from serve.http.serving import (
+    Job,
+    RequestError,
+    TextDeltas,
+    add_all,
+    check_lengths,
+    collect,
+    encode,
+    event_stream,
+    merged,
+    sse,
+    token_strings,
+    usage,
+)
+from serve.http.state import Server
+
+router = APIRouter()
+
+
+def chat_job(
+    body: ChatCompletionRequest,
+    tok: PreTrainedTokenizerBase,
+    max_model_len: int,
+    context_limit: int,
+) -> Job:
+    """Blocking (tokenizes): call it off the event loop. Without max_tokens, a choice may run to
+    `context_limit` (max_model_len, or the KV cache's size when that is smaller)."""
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert isinstance(text, str)  # tokenize=False: the rendered conversation
+    except Exception as e:  # a template that rejects the conversation (e.g. role order)
+        raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from e
+    prompt = encode(tok, text, max_model_len, add_special_tokens=False)  # bos: the template's
+    requested = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+    max_tokens = context_limit - len(prompt) if requested is None else requested
+    if max_tokens < 1 and requested is None:
+        raise RequestError(
+            400,
+            f"the conversation is {len(prompt)} tokens, which leaves no room for an answer in "
+            f"this server's context of {context_limit} tokens: shorten the messages",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    check_lengths([prompt], max_tokens, max_model_len)
+    top = body.top_logprobs or 0 if body.logprobs else None
+    return Job([prompt], [body.sampling_params(max_tokens, i, top) for i in range(body.n)], body.n)
+
+
+def chat_logprobs(tok: PreTrainedTokenizerBase, out: RequestOutput, top_n: int) -> dict[str, Any]:
+    content = []
+    for token_id, lps in zip(out.token_ids, out.logprobs):
+        (text,) = token_strings(tok, [token_id])
+        ranked = sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]
+        tops = [
+            {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            for s, (_, lp) in zip(token_strings(tok, [i for i, _ in ranked]), ranked)
+        ]
+        content.append(
+            {
+                "token": text,
+                "logprob": lps[token_id],
+                "bytes": list(text.encode()),
+                "top_logprobs": tops,
+            }
+        )
+    return {"content": content}
+
+
+def chat_choice(
+    tok: PreTrainedTokenizerBase, index: int, out: RequestOutput, top_n: int | None
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": out.text},
+        "logprobs": chat_logprobs(tok, out, top_n) if top_n is not None else None,
+        "finish_reason": out.finish_reason,
+    }
+
+
+async def chat_events(
+    engine: AsyncEngine,
+    rid: str,
+    body: ChatCompletionRequest,
+    job: Job,
+    tracked: list[Tracked],
+) -> AsyncIterator[str]:
+    deltas, finals = TextDeltas(job.params[0].stop), {}
+    head = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": body.model}
+    for i in range(job.n):
+        first = {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "finish_reason": None,
+        }
+        yield sse({**head, "choices": [first]})
+    async for index, out in merged(engine, tracked):
+        text = deltas.delta(index, out)
+        if text:
+            yield sse(
+                {
+                    **head,
+                    "choices": [
+                        {"index": index, "delta": {"content": text}, "finish_reason": None}
+                    ],
+                }
+            )
+        if out.finished:
+            finals[index] = out
+            yield sse(
+                {
+                    **head,
+                    "choices": [{"index": index, "delta": {}, "finish_reason": out.finish_reason}],
+                }
+            )
+    if body.stream_options and body.stream_options.include_usage:
+        yield sse({**head, "choices": [], "usage": usage(list(finals.values()), job.prompts)})
+    yield sse("[DONE]")
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, server: Server
+) -> Any:
+    engine, tok = server.engine, server.engine.tokenizer
+    job = await asyncio.to_thread(chat_job, body, tok, engine.max_model_len, engine.context_limit)
+    job = dataclasses.replace(job, adapter=server.admit(body.model, len(job.params)))
+    rid = new_id("chatcmpl")
+    tracked = await add_all(engine, rid, job)
+    top_n = (body.top_logprobs or 0) if body.logprobs else None
+    if body.stream:
+        return event_stream(chat_events(engine, rid, body, job, tracked))
+    outputs = await collect(engine, tracked, request.is_disconnected)
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": now(),
+        "model": body.model,
+        "choices": [chat_choice(tok, i, o, top_n) for i, o in enumerate(outputs)],
+        "usage": usage(outputs, job.prompts),
+    }

@@ -1,0 +1,146 @@
+"""`POST /v1/completions`: prompts (text or token ids) in, choices with optional logprobs out,
+whole or as a server-sent-event stream (OpenAI's legacy completions API, as lm-eval uses it)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from transformers import PreTrainedTokenizerBase
+
+from serve.core.detokenizer import decode_text
+from serve.engine.async_engine import AsyncEngine, Tracked
+from serve.engine.llm_engine import RequestOutput
+from serve.http.protocol import CompletionRequest, new_id, now
+from serve.http.serving import (
+    Job,
+    RequestError,
+    TextDeltas,
+    add_all,
+    check_lengths,
+    collect,
+    encode,
+    event_stream,
+    merged,
+    sse,
+    token_strings,
+    usage,
+)
+from serve.http.state import Server
+
+router = APIRouter()
+
+
+def completion_job(
+    body: CompletionRequest, tok: PreTrainedTokenizerBase, max_model_len: int
+) -> Job:
+    """Blocking (tokenizes): call it off the event loop."""
+    prompts = [
+        encode(tok, p, max_model_len) if isinstance(p, str) else list(p) for p in body.prompts()
+    ]
+    if any(not p for p in prompts):
+        raise RequestError(400, "a prompt tokenizes to no tokens; send text or token ids", "prompt")
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    check_lengths(prompts, max_tokens, max_model_len)
+    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    params = [
+        body.sampling_params(max_tokens, i, body.logprobs, prompt_logprobs)
+        for _ in prompts
+        for i in range(body.n)
+    ]
+    return Job(prompts, params, body.n, body.echo)
+
+
+def completion_logprobs(
+    tok: PreTrainedTokenizerBase, out: RequestOutput, echo: bool, offset: int
+) -> dict[str, Any]:
+    """The legacy completions `logprobs` object; with echo, prompt tokens come first (the first
+    prompt token has no logprob: None), as lm-eval's loglikelihood requests expect."""
+    ids = (out.prompt_token_ids if echo else []) + out.token_ids
+    per_token = (out.prompt_logprobs if echo else []) + list(out.logprobs)
+    strings = token_strings(tok, ids)
+    offsets, pos = [], offset
+    for s in strings:
+        offsets.append(pos)
+        pos += len(s)
+    return {
+        "tokens": strings,
+        "token_logprobs": [None if lp is None else lp[i] for i, lp in zip(ids, per_token)],
+        "top_logprobs": [None if lp is None else _top_all(tok, lp) for lp in per_token],
+        "text_offset": offsets,
+    }
+
+
+def _top_all(tok: PreTrainedTokenizerBase, logprobs: dict[int, float]) -> dict[str, float]:
+    ranked = sorted(logprobs.items(), key=lambda kv: -kv[1])
+    return dict(zip(token_strings(tok, [i for i, _ in ranked]), [lp for _, lp in ranked]))
+
+
+def completion_choice(
+    tok: PreTrainedTokenizerBase, index: int, out: RequestOutput, echo: bool, want_logprobs: bool
+) -> dict[str, Any]:
+    prompt_text = decode_text(tok, out.prompt_token_ids) if echo else ""
+    logprobs = completion_logprobs(tok, out, echo, 0) if want_logprobs else None
+    return {
+        "index": index,
+        "text": prompt_text + out.text,
+        "logprobs": logprobs,
+        "finish_reason": out.finish_reason,
+    }
+
+
+async def completion_events(
+    engine: AsyncEngine,
+    tok: PreTrainedTokenizerBase,
+    rid: str,
+    body: CompletionRequest,
+    job: Job,
+    tracked: list[Tracked],
+) -> AsyncIterator[str]:
+    deltas, finals = TextDeltas(job.params[0].stop), {}
+    head = {"id": rid, "object": "text_completion", "created": now(), "model": body.model}
+    async for index, out in merged(engine, tracked):
+        text = deltas.delta(index, out)
+        if job.echo and index not in deltas.sent_prompt:
+            deltas.sent_prompt.add(index)
+            text = decode_text(tok, out.prompt_token_ids) + text
+        if text or out.finished:
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": out.finish_reason,
+            }
+            yield sse({**head, "choices": [choice]})
+        if out.finished:
+            finals[index] = out
+    if body.stream_options and body.stream_options.include_usage:
+        yield sse({**head, "choices": [], "usage": usage(list(finals.values()), job.prompts)})
+    yield sse("[DONE]")
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request, server: Server) -> Any:
+    engine, tok = server.engine, server.engine.tokenizer
+    job = await asyncio.to_thread(completion_job, body, tok, engine.max_model_len)
+    job = dataclasses.replace(job, adapter=server.admit(body.model, len(job.params)))
+    rid = new_id("cmpl")
+    tracked = await add_all(engine, rid, job)
+    if body.stream:
+        return event_stream(completion_events(engine, tok, rid, body, job, tracked))
+    outputs = await collect(engine, tracked, request.is_disconnected)
+    choices = [
+        completion_choice(tok, i, o, job.echo, body.logprobs is not None)
+        for i, o in enumerate(outputs)
+    ]
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": now(),
+        "model": body.model,
+        "choices": choices,
+        "usage": usage(outputs, job.prompts),
+    }

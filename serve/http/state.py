@@ -1,0 +1,86 @@
+"""What every route reads: the engine, the server's settings, and admission of a request.
+
+Routes get the `ServerState` as a FastAPI dependency (`Server`), so each route is a plain
+function over typed values, and `build_app` only wires them. Everything here runs on the event
+loop and reaches the engine only through `AsyncEngine` (its snapshots and queued calls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from serve.core.config import Positive, Size, check_fields
+from serve.engine.async_engine import AsyncEngine
+from serve.http.serving import RequestError
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    """The name clients put in `model`."""
+    api_key: str | None = None
+    """Require `Authorization: Bearer KEY` on every route but /health (the command line reads
+    $WORKBENCH_API_KEY when the flag is absent; prefer it: a flag is visible to every user in
+    `ps`)."""
+    max_waiting: Positive = 256
+    """Queued (not yet running) requests beyond which new ones get 503 with Retry-After."""
+    max_body_bytes: Annotated[int, Size()] = 4 << 20
+    """Largest accepted request body; larger ones get 413."""
+    lora_root: Path | None = None
+    """Allow POST /v1/load_lora_adapter from inside this directory only (no `..` or symlink
+    escape, for every file read)."""
+    allow_any_lora_path: bool = False
+    """Allow POST /v1/load_lora_adapter from any path the server can read (without this or
+    `lora_root`, loading adapters over HTTP is refused)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+class Busy(Exception):
+    """The waiting queue is full: 503 with Retry-After."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+
+def model_not_found(model: str, base: str) -> RequestError:
+    return RequestError(
+        404,
+        f"model {model!r} does not exist; this server serves {base!r} and its "
+        "loaded adapters (GET /v1/models)",
+        "model",
+        "model_not_found",
+    )
+
+
+@dataclass(frozen=True)
+class ServerState:
+    engine: AsyncEngine
+    settings: ServerSettings
+
+    def admit(self, model: str, num_requests: int) -> str | None:
+        """The adapter the request runs on (None: the base); 404 / 503 when it cannot run."""
+        engine, base = self.engine, self.settings.model_name
+        if model != base and model not in engine.adapter_names():
+            raise model_not_found(model, base)
+        queued = engine.num_unfinished - engine.stats.num_running
+        if queued + num_requests > self.settings.max_waiting:
+            raise Busy(self.settings.max_waiting)
+        if model != base:
+            engine.metrics.observe_lora_request(model)
+            return model
+        return None
+
+
+def server_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
+
+
+Server = Annotated[ServerState, Depends(server_state)]
+"""A route's parameter type for the server's state."""
