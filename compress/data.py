@@ -1,37 +1,38 @@
 """Training data for steps: named data sets or local files, read with `datasets`, packed into rows.
 
-A step's `data` is either a registered name (the demo registers `corpus` and `shift`, each with
-train and validation splits written to local JSON-lines files) or the path of a local `.jsonl` /
-`.json` file with a `text` field, or a `.txt` file (one document per line). Nothing is fetched.
+A step's `data` is either the name of a data set in the `DataCatalog` the caller passes (the
+recipe loader and the pipeline pass `catalog.data.NAMED`: `corpus`, `shift`, `shakespeare`, each
+with splits written to local JSON-lines files) or the path of a local `.jsonl` / `.json` file with
+a `text` field, or a `.txt` file (one document per line). Nothing is fetched, and nothing here is
+registered globally.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-NAMED_DATA: dict[str, Callable[[], dict[str, Path]]] = {}
-"""name -> function returning {split: local file}; registered by `catalog.data`."""
+DataCatalog = Mapping[str, Callable[[], dict[str, Path]]]
+"""name -> function returning {split: local file} (written on first use)."""
+NO_DATA: DataCatalog = MappingProxyType({})
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text"}
 
 
-def register_data(name: str, files: Callable[[], dict[str, Path]]) -> None:
-    NAMED_DATA[name] = files
-
-
-def check_data(value: str, base_dir: Path) -> str:
-    """A named data set or an existing, non-empty local file (relative to `base_dir`); returns
-    the value to store (names as given, paths absolute). Raises ValueError naming the fix."""
-    if value in NAMED_DATA:
+def check_data(value: str, base_dir: Path, named: DataCatalog = NO_DATA) -> str:
+    """A data set of `named` or an existing, non-empty local file (relative to `base_dir`);
+    returns the value to store (names as given, paths absolute). Raises ValueError naming the
+    fix."""
+    if value in named:
         return value
     path = (base_dir / value).expanduser().resolve()
     if path.suffix not in _FORMATS:
-        names = ", ".join(NAMED_DATA) or "(none registered)"
+        names = ", ".join(named) or "none given"
         raise ValueError(
             f"found {value!r}: neither a named data set ({names}) nor a .jsonl/.json/.txt file"
         )
@@ -42,16 +43,16 @@ def check_data(value: str, base_dir: Path) -> str:
     return str(path)
 
 
-def data_files(value: str) -> dict[str, Path]:
+def data_files(value: str, named: DataCatalog = NO_DATA) -> dict[str, Path]:
     """{split: file} for a checked `data` value; a single local file is the train split."""
-    return NAMED_DATA[value]() if value in NAMED_DATA else {"train": Path(value)}
+    return named[value]() if value in named else {"train": Path(value)}
 
 
-def load_texts(value: str, split: str = "train") -> list[str]:
+def load_texts(value: str, split: str = "train", named: DataCatalog = NO_DATA) -> list[str]:
     """The split's documents, read with `datasets` from local files."""
     from datasets import load_dataset
 
-    files = data_files(value)
+    files = data_files(value, named)
     if split not in files:
         raise ValueError(f"data {value!r} has no {split!r} split (it has {', '.join(files)})")
     path = files[split]

@@ -20,7 +20,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from transformers import PretrainedConfig, PreTrainedModel
 
 from compress.artifact import Artifact, copy_side_files
-from compress.data import check_data, load_texts, perplexity, token_rows
+from compress.data import NO_DATA, check_data, load_texts, perplexity, token_rows
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.training import TrainConfig, train
 
@@ -50,7 +50,10 @@ class DistillParams(StepParams):
     @field_validator("data")
     @classmethod
     def _data_exists(cls, value: str, info: ValidationInfo) -> str:
-        return check_data(value, (info.context or {}).get("recipe_dir", Path.cwd()))
+        context = info.context or {}
+        return check_data(
+            value, context.get("recipe_dir", Path.cwd()), context.get("data", NO_DATA)
+        )
 
     @model_validator(mode="after")
     def _shape(self) -> DistillParams:
@@ -157,8 +160,8 @@ class Distill(Step):
         student = student_from(teacher, p, ctx.seed)
         student.to(ctx.device)  # type: ignore[arg-type]
         tok = AutoTokenizer.from_pretrained(artifact.path)
-        rows = token_rows(tok, load_texts(p.data, "train"), p.seq_len)
-        val = token_rows(tok, load_texts(p.data, "validation"), p.seq_len)[:64]
+        rows = token_rows(tok, load_texts(p.data, "train", ctx.data), p.seq_len)
+        val = token_rows(tok, load_texts(p.data, "validation", ctx.data), p.seq_len)[:64]
         cfg = TrainConfig(
             p.steps,
             p.lr,

@@ -16,7 +16,7 @@ import torch
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from compress.artifact import Artifact, copy_side_files
-from compress.data import check_data, load_texts, token_rows
+from compress.data import NO_DATA, DataCatalog, check_data, load_texts, token_rows
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.targets import as_peft_regex, select
 from compress.training import TrainConfig, train
@@ -57,7 +57,10 @@ class LoraParams(StepParams):
 
         if value is None:
             return None
-        return check_data(value, (info.context or {}).get("recipe_dir", Path.cwd()))
+        context = info.context or {}
+        return check_data(
+            value, context.get("recipe_dir", Path.cwd()), context.get("data", NO_DATA)
+        )
 
     @model_validator(mode="after")
     def _replay_pair(self) -> LoraParams:
@@ -66,12 +69,15 @@ class LoraParams(StepParams):
         return self
 
 
-def training_rows(p: LoraParams, tok: object, seed: int) -> torch.Tensor:
+def training_rows(
+    p: LoraParams, tok: object, seed: int, named: DataCatalog = NO_DATA
+) -> torch.Tensor:
     """The data's rows, plus replay rows making up `replay_fraction` of the result."""
-    rows = token_rows(tok, load_texts(p.data, "train"), p.seq_len)  # type: ignore[arg-type]
+    rows = token_rows(tok, load_texts(p.data, "train", named), p.seq_len)  # type: ignore[arg-type]
     if p.replay_data is None:
         return rows
-    replay = token_rows(tok, load_texts(p.replay_data, "train"), p.seq_len)  # type: ignore[arg-type]
+    replay_texts = load_texts(p.replay_data, "train", named)
+    replay = token_rows(tok, replay_texts, p.seq_len)  # type: ignore[arg-type]
     wanted = round(len(rows) * p.replay_fraction / (1 - p.replay_fraction))
     order = torch.randperm(len(replay), generator=torch.Generator().manual_seed(seed))
     picked = replay[order[torch.arange(wanted) % len(replay)]]
@@ -125,7 +131,7 @@ class Lora(Step):
         )
         peft_model = get_peft_model(model, config)
         tok = AutoTokenizer.from_pretrained(artifact.path)
-        rows = training_rows(p, tok, ctx.seed)
+        rows = training_rows(p, tok, ctx.seed, ctx.data)
         cfg = TrainConfig(
             p.steps,
             p.lr,

@@ -8,13 +8,14 @@ A step never writes anywhere else and keeps no state between calls.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
 from compress.artifact import Artifact
+from compress.data import NO_DATA, DataCatalog
 
 
 class StepParams(BaseModel):
@@ -34,6 +35,8 @@ class StepContext:
     it once the step's artifact is complete."""
     keep_checkpoints: int = 1
     """Training checkpoints kept in `checkpoint_dir` (older ones are deleted as new ones land)."""
+    data: DataCatalog = field(default_factory=lambda: NO_DATA)
+    """The named data sets a step's `data` may name (the pipeline passes `catalog.data.NAMED`)."""
 
 
 class StepError(ValueError):

@@ -15,13 +15,11 @@ from typing import Any
 
 import torch
 
-from catalog import data as demo_data
+from catalog.data import NAMED
 from compress import Artifact
 from compress.artifact import load_kwargs
 from compress.data import load_texts, perplexity, token_rows
 from compress.manifest import ArtifactEval
-
-demo_data.register()  # the corpora measured below, also when called from Python directly
 
 EVAL_ROWS = 64
 LARGE_EMBEDDING = 8_000_000
@@ -81,7 +79,8 @@ def evaluate(artifact: Artifact) -> ArtifactEval:
     tok = AutoTokenizer.from_pretrained(artifact.path)
     perplexities = {
         name: perplexity(
-            model, token_rows(tok, load_texts(name, "validation"), SEQ_LEN)[: rows_for(model)]
+            model,
+            token_rows(tok, load_texts(name, "validation", NAMED), SEQ_LEN)[: rows_for(model)],
         )
         for name in ("corpus", "shift")
     }

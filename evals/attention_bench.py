@@ -49,7 +49,7 @@ def flex_candidate(
             slot_pos[b * BLOCK : (b + 1) * BLOCK] = torch.arange(j * BLOCK, (j + 1) * BLOCK)
     seq_len = torch.tensor(lens, dtype=torch.int32)
 
-    def mask_mod(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    def mask_mod(b, h, q_idx, kv_idx):
         return (slot_seq[kv_idx] == q_idx) & (slot_pos[kv_idx] < seq_len[q_idx])
 
     start = time.perf_counter()

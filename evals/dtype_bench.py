@@ -32,12 +32,10 @@ from serve.engine.llm import LLM
 
 
 def held_out(tokenizer: Any, name: str, seq_len: int) -> torch.Tensor:
-    from catalog.data import register
+    from catalog.data import NAMED
     from compress.data import load_texts, token_rows
 
-    register()
-
-    return token_rows(tokenizer, load_texts(name, "validation"), seq_len)
+    return token_rows(tokenizer, load_texts(name, "validation", NAMED), seq_len)
 
 
 def quality(model_dir: Path, data: list[str], windows: int) -> dict[str, Any]:
@@ -47,7 +45,7 @@ def quality(model_dir: Path, data: list[str], windows: int) -> dict[str, Any]:
     out = {}
     for name in data:
         rows = held_out(tokenizer, name, 256)[:windows]
-        scored = sum(len(tokenizer.decode(r[1:]).encode()) for r in rows.tolist())
+        scored = sum(len(str(tokenizer.decode(r[1:])).encode()) for r in rows.tolist())
         out[name] = divergence(fp32, bf16, rows, scored)
         r = out[name]
         print(

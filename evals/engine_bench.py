@@ -10,12 +10,14 @@ reported, as the shared 2-core machines drift.
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel
@@ -135,14 +137,16 @@ def run_static(model: PreTrainedModel, w: Workload, batch_size: int, pad_id: int
             eos_token_id=None,
         )
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, generation_config=config)
+            generate: Any = model.generate  # typed by transformers as a tensor attribute
+            out = generate(ids, attention_mask=mask, generation_config=config)
         assert out.shape[1] == width + longest
     return Measured(time.perf_counter() - start)
 
 
 def run_hf_continuous(model: PreTrainedModel, w: Workload) -> Measured:
     config = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=max(w.max_tokens))
-    manager = model.init_continuous_batching(generation_config=config)
+    batching: Any = model.init_continuous_batching  # typed by transformers as a tensor
+    manager = batching(generation_config=config)
     manager.start()
     try:
         start = time.perf_counter()
@@ -237,13 +241,14 @@ def bench_model(
         run_static(baseline, warm, 4, tok.pad_token_id),
         run_hf_continuous(baseline, warm),
     )
+    pad = tok.pad_token_id
     for kind in workloads:
         w = make_workload(kind, n, len(tok))
         systems = [
-            SystemRuns("engine", lambda w=w: run_engine(engine, w)),
-            SystemRuns("static-16", lambda w=w: run_static(baseline, w, 16, tok.pad_token_id)),
-            SystemRuns("static-64", lambda w=w: run_static(baseline, w, 64, tok.pad_token_id)),
-            SystemRuns("hf-continuous", lambda w=w: run_hf_continuous(baseline, w)),
+            SystemRuns("engine", functools.partial(run_engine, engine, w)),
+            SystemRuns("static-16", functools.partial(run_static, baseline, w, 16, pad)),
+            SystemRuns("static-64", functools.partial(run_static, baseline, w, 64, pad)),
+            SystemRuns("hf-continuous", functools.partial(run_hf_continuous, baseline, w)),
         ]
         log(f"== {name}, workload {kind}: {n} requests, {w.output_tokens} output tokens")
         compare(systems, rounds, w.output_tokens, log)

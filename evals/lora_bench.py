@@ -50,7 +50,7 @@ def make_adapters(
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.mul_(0.01)
-        model.save_pretrained(out / f"a{i}")
+        model.save_pretrained(str(out / f"a{i}"))
         paths.append(out / f"a{i}")
     return paths
 
@@ -78,10 +78,10 @@ def step_times(
     engine.step()  # prefill
     ready: list = []
     reader = None
+    assert engine.adapters is not None, "a LoRA engine"
+    adapters = engine.adapters
     if burst:
-        reader = threading.Thread(
-            target=lambda: ready.extend(engine.adapters.read(p) for p in burst)
-        )
+        reader = threading.Thread(target=lambda: ready.extend(adapters.read(p) for p in burst))
         reader.start()
     times, loaded = [], 0
     while engine.has_unfinished_requests():

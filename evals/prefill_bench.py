@@ -28,7 +28,7 @@ from serve.model import attention
 class ThreeDPrefill(attention.SDPABackend):
     """The baseline: prefill chunks passed to SDPA as [heads, n, head_dim]."""
 
-    def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+    def attend(self, q, k_cache, v_cache, meta, scale):
         out = super().attend(q, k_cache, v_cache, _decodes_only(meta), scale)
         for s in meta.prefills:
             k = attention._gather(k_cache, s.block_ids, s.seq_len).transpose(0, 1)

@@ -166,6 +166,36 @@ def _ask(evals: Evals, url: str, variant: VariantResult, work_dir: Path) -> list
     return answers
 
 
+def _stored(
+    evals: Evals, session: ServerSession, work_dir: Path, force: bool, out: Measurements
+) -> dict[str, bool]:
+    """Put the session's stored load results and chat answers into `out`; {variant: True} for
+    each load result found."""
+    assert evals.load is not None
+    reused = {}
+    for m in session.members:
+        path = work_dir / "evals" / m.name / "load.json"
+        found = None if force else stored.lookup(path, load_key(evals.load, m), LoadResult)
+        if found is not None:
+            out.load[m.name], reused[m.name] = found, True
+        answers = _stored_answers(evals, m, work_dir, force)
+        if answers is not None:
+            out.answers[m.name] = answers
+    return reused
+
+
+def _measure(
+    evals: Evals, url: str, m: VariantResult, is_adapter: bool, work_dir: Path
+) -> LoadResult:
+    """`m`'s load sweep on the server at `url`, stored."""
+    assert evals.load is not None
+    result = _sweep(url, evals.load, m.name)
+    if is_adapter:  # proof that the hot-loaded adapter, not the base, ran them
+        result = result.model_copy(update={"adapter_requests": adapter_requests(url, m.name)})
+    stored.store(work_dir / "evals" / m.name / "load.json", load_key(evals.load, m), result)
+    return result
+
+
 def run_session(
     evals: Evals,
     session: ServerSession,
@@ -178,17 +208,7 @@ def run_session(
     load result was reused}. `check(url, served name)` runs once the server is up."""
     from evals.load_cli import served
 
-    load = evals.load
-    assert load is not None
-    paths = {m.name: work_dir / "evals" / m.name / "load.json" for m in session.members}
-    reused: dict[str, bool] = {}
-    for m in session.members:
-        found = None if force else stored.lookup(paths[m.name], load_key(load, m), LoadResult)
-        if found is not None:
-            out.load[m.name], reused[m.name] = found, True
-        answers = _stored_answers(evals, m, work_dir, force)
-        if answers is not None:
-            out.answers[m.name] = answers
+    reused = _stored(evals, session, work_dir, force, out)
     pending = [m for m in session.members if m.name not in reused]
     asked = [m for m in session.members if m.name not in out.answers and evals.chat_prompts]
     if not pending and not asked and check is None:
@@ -198,28 +218,23 @@ def run_session(
     else:  # a base that is no variant of the recipe, serving only adapters
         name, log_name = "adapter-base", f"{session.adapters[0].name}-base"
     flags = ["--served-model-name", name, *serve_flags(evals, session)]
-    log = work_dir / "evals" / f"server-{log_name}.log"
-    with served(str(session.model_path), flags, log) as url:
+    with served(
+        str(session.model_path), flags, work_dir / "evals" / f"server-{log_name}.log"
+    ) as url:
         if check is not None:
             check(url, name)
         for m in [m for m in session.members if m in pending or m in asked]:
             is_adapter = m is not session.model_variant
             if is_adapter:
-                _post(
-                    url,
-                    "/v1/load_lora_adapter",
-                    {"lora_name": m.name, "lora_path": str(m.path.resolve())},
-                )
+                body = {"lora_name": m.name, "lora_path": str(m.path.resolve())}
+                _post(url, "/v1/load_lora_adapter", body)
             if m in asked:
                 out.answers[m.name] = _ask(evals, url, m, work_dir)
             if m in pending:
-                result = _sweep(url, load, m.name)
-                if is_adapter:  # proof that the hot-loaded adapter, not the base, ran them
-                    result = result.model_copy(
-                        update={"adapter_requests": adapter_requests(url, m.name)}
-                    )
-                stored.store(paths[m.name], load_key(load, m), result)
-                out.load[m.name], reused[m.name] = result, False
+                out.load[m.name], reused[m.name] = (
+                    _measure(evals, url, m, is_adapter, work_dir),
+                    False,
+                )
             if is_adapter:
                 with contextlib.suppress(RuntimeError):
                     _post(url, "/v1/unload_lora_adapter", {"lora_name": m.name})

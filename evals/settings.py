@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator
 
 Slug = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)]
 
@@ -62,12 +62,12 @@ class DivergenceEval(_Strict):
 
     @field_validator("data")
     @classmethod
-    def _known_data(cls, names: list[str]) -> list[str]:
-        from compress.data import NAMED_DATA
-
-        unknown = [n for n in names if n not in NAMED_DATA]
+    def _known_data(cls, names: list[str], info: ValidationInfo) -> list[str]:
+        named = (info.context or {}).get("data", {})
+        unknown = [n for n in names if n not in named]
         if unknown:
-            raise ValueError(f"unknown data set(s) {unknown}; allowed: {', '.join(NAMED_DATA)}")
+            allowed = ", ".join(named) or "(none given)"
+            raise ValueError(f"unknown data set(s) {unknown}; allowed: {allowed}")
         return names
 
 

@@ -21,17 +21,19 @@ cell is the median with min-max, and ratios are per round against the first syst
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from evals.engine_bench import default_llama_25m, load_baseline_model
-from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.core.config import AttentionBackend, CacheConfig, Dtype, ModelConfig, SchedulerConfig
 from serve.core.sampling_params import SamplingParams
 from serve.engine.llm_engine import LLMEngine
 from serve.model.host_memory import keep_freed_memory
@@ -42,9 +44,9 @@ BATCHES = (1, 16, 64)
 
 @dataclass(frozen=True)
 class EngineSystem:
-    backend: str = "auto"
+    backend: AttentionBackend = "auto"
     prepack: bool = True
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     compile: bool = False
 
 
@@ -108,7 +110,8 @@ def _generate(model: PreTrainedModel, ids: torch.Tensor, new: int) -> float:
     ids = ids.to(model.device)
     _synchronize(model.device)
     start = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    generate: Any = model.generate  # typed by transformers as a tensor attribute
+    generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     _synchronize(model.device)
     return time.perf_counter() - start
 
@@ -127,6 +130,30 @@ def generate_decode_step(model: PreTrainedModel, n: int, context: int) -> float:
 def generate_prefill(model: PreTrainedModel, tokens: int) -> float:
     vocab = model.get_output_embeddings().weight.shape[0]
     return _generate(model, torch.tensor([prompt_ids(7, tokens, vocab)]), 1)
+
+
+Runs = tuple[Callable[[int, str], float], Callable[[str], float]]
+"""A system's (decode step at n sequences, prefill) measurements, each given a request tag."""
+
+
+def engine_runs(engine: LLMEngine, context: int, prefill: int) -> Runs:
+    def decode(n: int, tag: str) -> float:
+        return engine_decode_step(engine, n, context, tag)
+
+    def fill(tag: str) -> float:
+        return engine_prefill(engine, prefill, tag)
+
+    return decode, fill
+
+
+def generate_runs(model: PreTrainedModel, context: int, prefill: int) -> Runs:
+    def decode(n: int, tag: str) -> float:
+        return generate_decode_step(model, n, context)
+
+    def fill(tag: str) -> float:
+        return generate_prefill(model, prefill)
+
+    return decode, fill
 
 
 @dataclass
@@ -167,29 +194,24 @@ def measure(
 ) -> list[Cell]:
     """Every system's decode step at 1/16/64 sequences and its prefill, alternating per round
     (engine steps end in a host copy of the sampled tokens, so CUDA times are complete)."""
-    runs: dict[str, tuple[Callable[[int, str], float], Callable[[str], float]]] = {}
+    runs: dict[str, Runs] = {}
     for name in systems:
         if name in ENGINE_SYSTEMS:
             engine = make_engine(model, ENGINE_SYSTEMS[name], prefill, device)
             if engine.runner.compile_report:
                 log(f"{name}: {engine.runner.compile_report.line()}")
-            runs[name] = (
-                lambda n, tag, e=engine: engine_decode_step(e, n, context, tag),
-                lambda tag, e=engine: engine_prefill(e, prefill, tag),
-            )
+            runs[name] = engine_runs(engine, context, prefill)
         elif name in GENERATE_SYSTEMS:
-            hf = load_baseline_model(model, GENERATE_SYSTEMS[name]).to(device)
-            runs[name] = (
-                lambda n, tag, m=hf: generate_decode_step(m, n, context),
-                lambda tag, m=hf: generate_prefill(m, prefill),
-            )
+            hf = load_baseline_model(model, GENERATE_SYSTEMS[name])
+            hf.to(device)  # type: ignore[arg-type]  # transformers types its `to` oddly
+            runs[name] = generate_runs(hf, context, prefill)
         else:
             known = [*ENGINE_SYSTEMS, *GENERATE_SYSTEMS]
             raise SystemExit(f"unknown system {name!r}; use some of {', '.join(known)}")
     cells = [
         Cell(
             f"decode step, {n:2d} sequences",
-            {s: (lambda tag, r=r, n=n: r[0](n, tag)) for s, r in runs.items()},
+            {s: functools.partial(r[0], n) for s, r in runs.items()},
         )
         for n in BATCHES
     ]

@@ -89,6 +89,7 @@ def measure_divergence(
     evals: Evals, variant: VariantResult, reference: VariantResult
 ) -> DivergenceResult:
     """KL / agreement / perplexity of `variant` against `reference`, per data set."""
+    from catalog.data import NAMED
     from compress.data import load_texts, token_rows
     from evals.divergence import divergence
 
@@ -100,7 +101,7 @@ def measure_divergence(
     ref_model = model if same else load_model(reference, settings.dtype)[0]
     data = {}
     for name in settings.data:
-        rows = token_rows(tokenizer, load_texts(name, "validation"), settings.seq_len)
+        rows = token_rows(tokenizer, load_texts(name, "validation", NAMED), settings.seq_len)
         rows = rows[: settings.windows]
         scored = sum(len(tokenizer.decode(r[1:]).encode()) for r in rows.tolist())
         data[name] = divergence(ref_model, model, rows, scored)

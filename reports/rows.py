@@ -226,35 +226,36 @@ def columns(
             }
         )
     cols += divergence_columns(measured)
-    if load_settings:
+    return cols + load_settings_columns(load_settings)
+
+
+def load_settings_columns(load_settings: dict | None) -> list[dict[str, Any]]:
+    """Peak throughput, then p95 at 16 clients and saturation for each prompt length."""
+    if not load_settings:
+        return []
+    cols: list[dict[str, Any]] = [
+        {"key": "peak_output_tok_s", "label": "peak tok/s", "format": "float", "better": "higher"},
+        {"key": "peak_req_s", "label": "peak req/s", "format": "float", "better": "higher"},
+    ]
+    for length in load_settings["prompt_len"]:
         cols += [
             {
-                "key": "peak_output_tok_s",
-                "label": "peak tok/s",
+                "key": f"p95_e2e_c16_p{length}",
+                "label": f"p95 e2e s @c16 p{length}",
                 "format": "float",
+                "better": "lower",
+            },
+            {
+                "key": f"saturation_p{length}",
+                "label": f"saturation conc. p{length}",
+                "format": "int",
                 "better": "higher",
             },
-            {"key": "peak_req_s", "label": "peak req/s", "format": "float", "better": "higher"},
+            {
+                "key": f"saturation_estimate_p{length}",
+                "label": f"estimate p{length}",
+                "format": "float",
+                "better": None,
+            },
         ]
-        for length in load_settings["prompt_len"]:
-            cols += [
-                {
-                    "key": f"p95_e2e_c16_p{length}",
-                    "label": f"p95 e2e s @c16 p{length}",
-                    "format": "float",
-                    "better": "lower",
-                },
-                {
-                    "key": f"saturation_p{length}",
-                    "label": f"saturation conc. p{length}",
-                    "format": "int",
-                    "better": "higher",
-                },
-                {
-                    "key": f"saturation_estimate_p{length}",
-                    "label": f"estimate p{length}",
-                    "format": "float",
-                    "better": None,
-                },
-            ]
     return cols

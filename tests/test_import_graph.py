@@ -113,3 +113,17 @@ def test_the_engine_core_loads_without_torch() -> None:
         [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_the_http_server_reaches_the_engine_only_through_async_engine() -> None:
+    """No route or helper of serve/http reads the `LLMEngine` behind `AsyncEngine`
+    (`x.engine.engine`): its tokenizer, configs and adapter table belong to the engine thread;
+    the server reads `AsyncEngine`'s own copies and snapshots."""
+    for path in sorted((ROOT / "serve" / "http").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "engine":
+                inner = node.value
+                reached = (isinstance(inner, ast.Name) and inner.id == "engine") or (
+                    isinstance(inner, ast.Attribute) and inner.attr == "engine"
+                )
+                assert not reached, f"{path}:{node.lineno} reaches the LLMEngine"

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from catalog.data import NAMED
 from compress import STEPS, Artifact, StepContext, StepParams
 from compress.artifact import (
     artifact_from_manifest,
@@ -187,6 +188,7 @@ class Pipeline:
             _device(self.recipe.device),
             checkpoints,
             self.keep_checkpoints,
+            NAMED,
         )
         if not is_main():  # every process trains; only the main one writes the artifact
             with scratch_dir() as tmp:
@@ -198,34 +200,46 @@ class Pipeline:
             with PeakMemory() as peak:
                 made = step.apply(artifact, dataclasses.replace(ctx, out_dir=tmp))
             wall_seconds = round(time.perf_counter() - started, 3)
-            measured = self.evaluate(dataclasses.replace(made, path=tmp)) if self.evaluate else None
-            Manifest(
-                variant=variant.name,
-                kind=made.kind,
-                quantization=made.quantization,
-                hash=call.hash,
-                recipe=RecipeRef(name=self.recipe.name, hash=self.recipe_hash),
-                base=BaseRecord(kind=self.base.kind, name=self.base.name),
-                steps=[
-                    StepRecord(name=c.name, params=c.params.model_dump(mode="json"), hash=c.hash)
-                    for c in calls
-                ],
-                parent=parent,
-                parameters=parameter_count(made.kind, tmp),
-                stored_tensor_elements=count_parameters(tmp),
-                bytes_on_disk=dir_bytes(tmp),
-                wall_seconds=wall_seconds,
-                peak_memory_bytes=peak.bytes,
-                peak_cuda_memory_bytes=peak.cuda_bytes,
-                packages=package_versions(),
-                created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                info=made.info,
-                files=file_hashes(tmp),
-                eval=measured,
-            ).write(tmp)
+            made = dataclasses.replace(made, path=tmp)
+            self._manifest(variant, calls, made, parent, wall_seconds, peak).write(tmp)
         shutil.rmtree(checkpoints, ignore_errors=True)
         barrier()
         return dataclasses.replace(made, path=out)
+
+    def _manifest(
+        self,
+        variant: Variant,
+        calls: list[_StepCall],
+        made: Artifact,
+        parent: ParentRef,
+        wall_seconds: float,
+        peak: PeakMemory,
+    ) -> Manifest:
+        """What the finished artifact (still in its temporary dir `made.path`) records."""
+        return Manifest(
+            variant=variant.name,
+            kind=made.kind,
+            quantization=made.quantization,
+            hash=calls[-1].hash,
+            recipe=RecipeRef(name=self.recipe.name, hash=self.recipe_hash),
+            base=BaseRecord(kind=self.base.kind, name=self.base.name),
+            steps=[
+                StepRecord(name=c.name, params=c.params.model_dump(mode="json"), hash=c.hash)
+                for c in calls
+            ],
+            parent=parent,
+            parameters=parameter_count(made.kind, made.path),
+            stored_tensor_elements=count_parameters(made.path),
+            bytes_on_disk=dir_bytes(made.path),
+            wall_seconds=wall_seconds,
+            peak_memory_bytes=peak.bytes,
+            peak_cuda_memory_bytes=peak.cuda_bytes,
+            packages=package_versions(),
+            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            info=made.info,
+            files=file_hashes(made.path),
+            eval=self.evaluate(made) if self.evaluate else None,
+        )
 
 
 def _device(name: str) -> str:

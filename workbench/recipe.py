@@ -25,13 +25,11 @@ from pydantic import (
     model_validator,
 )
 
-from catalog import data as demo_data
+from catalog.data import NAMED
 from compress import STEPS, StepParams
 from evals.settings import Evals, Slug
 from workbench.base_model import BaseRef, resolve_base
 from workbench.recipe_errors import RecipeError, format_validation_error
-
-demo_data.register()  # the named data sets (corpus, shift) recipes may use
 
 
 class _Strict(BaseModel):
@@ -148,7 +146,7 @@ def load_recipe(path: Path | str) -> tuple[Recipe, BaseRef]:
             path,
             [f"found {type(data).__name__}; a recipe is a mapping with keys {keys}"],
         )
-    context = {"recipe_dir": path.parent}
+    context = {"recipe_dir": path.parent, "data": NAMED}  # the data sets recipes may name
     try:
         recipe = Recipe.model_validate(data, context=context)
     except ValidationError as e:

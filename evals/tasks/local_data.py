@@ -14,11 +14,9 @@ from typing import Any
 
 from datasets import Dataset
 
-from catalog import data as demo_data
+from catalog.data import NAMED
 from catalog.shifted import colour_questions
 from compress.data import load_texts
-
-demo_data.register()
 
 CLOZE_ITEMS = 200
 CLOZE_CHOICES = 4
@@ -31,18 +29,18 @@ def _split(rows: list[dict[str, Any]]) -> dict[str, Dataset]:
 
 def corpus_documents(**_: Any) -> dict[str, Dataset]:
     """The base corpus's validation documents, whole (for `loglikelihood_rolling`)."""
-    return _split([{"text": t} for t in load_texts("corpus", "validation")])
+    return _split([{"text": t} for t in load_texts("corpus", "validation", NAMED)])
 
 
 def shift_documents(**_: Any) -> dict[str, Dataset]:
     """The shifted domain's (shop log) validation documents, whole."""
-    return _split([{"text": t} for t in load_texts("shift", "validation")])
+    return _split([{"text": t} for t in load_texts("shift", "validation", NAMED)])
 
 
 def shakespeare_documents(**_: Any) -> dict[str, Dataset]:
     """Held-out plays' documents (the shakespeare data set's test split: plays no step trains
     or validates on)."""
-    return _split([{"text": t} for t in load_texts("shakespeare", "test")])
+    return _split([{"text": t} for t in load_texts("shakespeare", "test", NAMED)])
 
 
 def _key(text: str) -> str:
@@ -53,7 +51,7 @@ def held_out_sentences() -> list[str]:
     """Prose sentences of 8-30 words from the base corpus's test split, in a fixed order that
     does not depend on the documents' order (sorted by a hash of the sentence)."""
     found = set()
-    for doc in load_texts("corpus", "test"):
+    for doc in load_texts("corpus", "test", NAMED):
         for raw in _SENTENCE_END.split(doc):
             sentence = " ".join(raw.split())
             words = sentence.split(" ")

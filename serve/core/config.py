@@ -94,6 +94,7 @@ class CacheConfig:
 
 
 AttentionBackend = Literal["auto", "paged-cpu", "sdpa", "reference"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 ATTENTION_BACKENDS: tuple[str, ...] = typing.get_args(AttentionBackend)
 
 
@@ -101,7 +102,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = typing.get_args(AttentionBackend)
 class ModelConfig:
     model: str
     """A local HF model dir or a hub id."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Dtype = "auto"
     """Weights and KV dtype; auto: bfloat16 on CUDA, float32 on the CPU."""
     device: str = "auto"
     """cpu, cuda or cuda:N; auto: cuda when available."""

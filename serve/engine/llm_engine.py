@@ -29,7 +29,7 @@ from serve.core.sampling_params import SamplingParams
 from serve.core.scheduler import Scheduler, SchedulerOutput
 from serve.core.stats import EngineStats
 from serve.lora.adapter import Adapter
-from serve.lora.manager import AdapterManager, LoraConfig
+from serve.lora.manager import LoraConfig
 from serve.model.compilation import why_not_compilable
 from serve.model.cpu_linear import can_prepack, prepack_linears
 from serve.model.host_memory import keep_freed_memory
@@ -109,11 +109,9 @@ class LLMEngine:
         if model.compile and (why_not := why_not_compilable(hf_model, lora is not None)):
             raise ValueError(f"--compile cannot be used here: {why_not}; drop --compile")
         self.runner = ModelRunner(
-            hf_model, cache, device, model.attention_backend, compile_model=model.compile
+            hf_model, cache, device, model.attention_backend, compile_model=model.compile, lora=lora
         )
-        self.adapters = (
-            AdapterManager(hf_model, lora, device, self.runner.layout.dtype) if lora else None
-        )
+        self.adapters = self.runner.adapters
         max_loras = lora.max_loras if lora else None
         self.scheduler = Scheduler(scheduler, self.runner.num_blocks, cache.block_size, max_loras)
         self.sampler = Sampler(seed)
@@ -219,11 +217,7 @@ class LLMEngine:
 
     def _compute(self, out: SchedulerOutput, clock: _Clock) -> dict[str, int]:
         """Run the model over the scheduled chunks and sample: {request id: next token}."""
-        inputs = self.runner.prepare(out)
-        if self.adapters is not None:
-            self.adapters.prepare_step(inputs.adapter_rows, out.num_tokens)
-        clock.lap("prepare")
-        logits = self.runner.forward(inputs)
+        inputs, logits = self.runner.execute(out)
         clock.lap("model")
         tokens = self._sample(inputs, logits)
         self._record_prompt_logprobs(out, inputs, logits)

@@ -3,8 +3,8 @@
 Model: every adaptable linear layer keeps its original module (float, bitsandbytes int8/4-bit,
 torchao: whatever it is) and gains slot-stacked LoRA weights: A [slots, R, in], B [slots, out, R]
 and a scaling per slot, padded to the server's max rank R (zero rows / columns add nothing).
-Slot 0 is "no adapter". For each step the manager sets, on the shared `StepSlots`, which flat
-token rows use which slot; the layer adds `(x @ A[s]^T) @ B[s]^T * scaling[s]` to those rows.
+Slot 0 is "no adapter". For each step the manager makes a `StepSlots` (which flat token rows use
+which slot), which the runner passes in `lora_step_context`; the layer adds `(x @ A[s]^T) @ B[s]^T * scaling[s]` to those rows.
 Small steps run it as two batched matmuls over the step's adapters (their rows padded to the
 most rows of one adapter; each adapter's A and B read once), larger ones one matmul pair per
 adapter. A layer that none of the step's adapters touches adds nothing and costs nothing.
@@ -12,6 +12,9 @@ adapter. A layer that none of the step's adapters touches adds nothing and costs
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -42,13 +45,29 @@ class BatchedRows:
     """[T, 1]: 1.0 for rows with an adapter, 0.0 without (None: every row has one)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepSlots:
-    """Per step: (slot, token rows) for every adapter in the batch (empty when none), and for
-    small steps the same rows padded into one batch."""
+    """One step's adapters: (slot, token rows) for every adapter in the batch, and for small
+    steps the same rows padded into one batch. Made per step by the manager, read by every
+    layer inside `lora_step_context` (as attention reads its metadata)."""
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     batched: BatchedRows | None = None
+
+
+_step = threading.local()
+
+
+@contextmanager
+def lora_step_context(slots: StepSlots | None) -> Iterator[None]:
+    """Make `slots` the adapters of every LoRA layer called inside, on this thread (None: the
+    base model only)."""
+    previous = getattr(_step, "slots", None)
+    _step.slots = slots
+    try:
+        yield
+    finally:
+        _step.slots = previous
 
 
 class LoraLinear(nn.Module):
@@ -65,14 +84,12 @@ class LoraLinear(nn.Module):
         out_features: int,
         num_slots: int,
         max_rank: int,
-        step: StepSlots,
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
         self.base = base
         self.in_features, self.out_features = in_features, out_features
-        self.step = step
         self.register_buffer(
             "lora_a",
             torch.zeros(num_slots, max_rank, in_features, device=device, dtype=dtype),
@@ -104,12 +121,13 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        groups = [(slot, rows) for slot, rows in self.step.groups if slot in self.filled]
-        if not groups:
+        step: StepSlots | None = getattr(_step, "slots", None)
+        groups = [(slot, rows) for slot, rows in step.groups if slot in self.filled] if step else []
+        if not step or not groups:
             return y
         flat_x = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
         flat_y = y.reshape(-1, self.out_features)
-        batch = self.step.batched
+        batch = step.batched
         if batch is not None:
             return self._batched(flat_x, flat_y, batch).view_as(y)
         flat_y = flat_y.clone()
@@ -159,7 +177,6 @@ def wrap(
     model: nn.Module,
     num_slots: int,
     max_rank: int,
-    step: StepSlots,
     device: torch.device,
     dtype: torch.dtype,
 ) -> dict[str, LoraLinear]:
@@ -168,7 +185,7 @@ def wrap(
     for name, (module, in_f, out_f) in adaptable_linears(model).items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        layer = LoraLinear(module, in_f, out_f, num_slots, max_rank, step, device, dtype)
+        layer = LoraLinear(module, in_f, out_f, num_slots, max_rank, device, dtype)
         setattr(parent, attr, layer)
         wrapped[name] = layer
     return wrapped

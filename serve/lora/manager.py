@@ -50,9 +50,8 @@ class AdapterManager:
         self, model: nn.Module, config: LoraConfig, device: torch.device, dtype: torch.dtype
     ) -> None:
         self.config = config
-        self.step = StepSlots()
         self.layers: dict[str, LoraLinear] = wrap(
-            model, config.max_loras + 1, config.max_lora_rank, self.step, device, dtype
+            model, config.max_loras + 1, config.max_lora_rank, device, dtype
         )
         self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
         self.device, self.dtype = device, dtype
@@ -122,16 +121,18 @@ class AdapterManager:
             del self.versions[version]
             self.slots.pop(version, None)
 
-    def prepare_step(self, token_versions: list[tuple[int, torch.Tensor]], num_tokens: int) -> None:
-        """Give each (version, token rows) of the step a slot and point the layers at them."""
+    def prepare_step(
+        self, token_versions: list[tuple[int, torch.Tensor]], num_tokens: int
+    ) -> StepSlots:
+        """Give each (version, token rows) of the step a slot (writing weights into slots that
+        change); the step's `StepSlots` for `lora_step_context`."""
         used = {v for v, _ in token_versions}
         assert len(used) <= self.config.max_loras, "the scheduler caps distinct adapters per step"
         groups = [(self._slot_for(version, used), rows) for version, rows in token_versions]
-        self.step.groups = groups
-        self.step.batched = None
         width = max((len(rows) for _, rows in groups), default=0)
         if groups and num_tokens <= BATCHED_MAX_TOKENS and len(groups) * width <= 2 * num_tokens:
-            self.step.batched = self._batched_rows(groups, width, num_tokens)
+            return StepSlots(groups, self._batched_rows(groups, width, num_tokens))
+        return StepSlots(groups)
 
     def _batched_rows(
         self, groups: list[tuple[int, torch.Tensor]], width: int, num_tokens: int

@@ -89,7 +89,7 @@ class CompiledForward:
 
 def warm_up(
     forward: CompiledForward,
-    execute: Callable[[SchedulerOutput], torch.Tensor],
+    execute: Callable[[SchedulerOutput], object],
     block_size: int,
     num_blocks: int,
 ) -> CompileReport:

@@ -19,6 +19,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from compress.artifact import check_intact, load_kwargs
 from serve.core.config import ATTENTION_BACKENDS, CacheConfig, ModelConfig
 from serve.core.scheduler import SchedulerOutput
+from serve.lora.layers import StepSlots, lora_step_context
+from serve.lora.manager import AdapterManager, LoraConfig
 from serve.model import cpu_attention
 from serve.model.attention import (
     ATTENTION_NAME,
@@ -161,6 +163,7 @@ class ModelRunner:
         device: torch.device,
         backend: str,
         compile_model: bool = False,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.model, self.device, self.block_size = model, device, cache.block_size
         embeddings = model.get_input_embeddings().weight
@@ -176,6 +179,8 @@ class ModelRunner:
             )
             for _ in range(self.layout.num_layers)
         ]
+        self.adapters = AdapterManager(model, lora, device, self.layout.dtype) if lora else None
+        """The LoRA layers wrapped around the model's linears and their device slots."""
         self.call_model: Callable[..., Any] = model
         self.compile_report: CompileReport | None = None
         if compile_model:
@@ -213,9 +218,10 @@ class ModelRunner:
         return build_step_inputs(out, self.block_size, self.kv_caches, self.backend, self.device)
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Float32 logits at `inputs.logits_rows`: [len(logits_rows), vocab]."""
-        with step_context(inputs.meta):
+    def forward(self, inputs: StepInputs, lora: StepSlots | None = None) -> torch.Tensor:
+        """Float32 logits at `inputs.logits_rows`: [len(logits_rows), vocab]; the attention
+        metadata and the step's adapters travel in the step's forward contexts."""
+        with step_context(inputs.meta), lora_step_context(lora):
             result = self.call_model(
                 input_ids=inputs.input_ids[None],
                 position_ids=inputs.positions[None],
@@ -224,5 +230,11 @@ class ModelRunner:
             )
         return result.logits[0].float()
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        return self.forward(self.prepare(out))
+    def execute(self, out: SchedulerOutput) -> tuple[StepInputs, torch.Tensor]:
+        """One step's model half: flatten the scheduled chunks, give their adapters device
+        slots, run the model; (the step's inputs, the logits at its `logits_rows`)."""
+        inputs = self.prepare(out)
+        lora = None
+        if self.adapters is not None:
+            lora = self.adapters.prepare_step(inputs.adapter_rows, out.num_tokens)
+        return inputs, self.forward(inputs, lora)

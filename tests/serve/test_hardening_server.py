@@ -108,10 +108,10 @@ def poison_forward(s: ThreadServer, always: bool = False) -> object:
     runner = s.engine.engine.runner
     original = runner.forward
 
-    def forward(inputs):  # type: ignore[no-untyped-def]
+    def forward(inputs, lora=None):  # type: ignore[no-untyped-def]
         if always or bool((inputs.input_ids == POISON).any()):
             raise RuntimeError("simulated kernel failure")
-        return original(inputs)
+        return original(inputs, lora)
 
     runner.forward = forward  # type: ignore[method-assign]
     return original
@@ -306,6 +306,13 @@ def test_tokenizing_runs_off_the_event_loop(
     release.set()
     worker.join(60)
     assert result[0].status_code == 200
+
+
+def test_the_server_encodes_with_its_own_tokenizer(server: ThreadServer) -> None:
+    """Prompts are encoded on worker threads and the engine thread decodes: not one object."""
+    ours, engines = server.engine.tokenizer, server.engine.engine.tokenizer
+    assert ours is not engines
+    assert ours("a b c").input_ids == engines("a b c").input_ids
 
 
 def test_a_3mb_prompt_is_refused_after_tokenizing_a_bounded_prefix(server: ThreadServer) -> None:

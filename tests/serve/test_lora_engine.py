@@ -266,6 +266,7 @@ def test_batched_lora_rows_equal_the_per_adapter_loop() -> None:
     step touches: the batched path adds exactly what the per-adapter loop adds."""
     from torch import nn
 
+    from serve.lora.layers import StepSlots, lora_step_context
     from serve.lora.manager import AdapterManager
 
     torch.manual_seed(0)
@@ -285,17 +286,18 @@ def test_batched_lora_rows_equal_the_per_adapter_loop() -> None:
     groups = [(1, torch.tensor([0, 3, 4, 8])), (2, torch.tensor([6])), (3, torch.tensor([2]))]
     # consecutive slots in any order (read as a slice), and a gap (slots 1 and 3: copied out)
     for order, first_slot in ((groups, 1), (groups[::-1], 1), ([groups[0], groups[2]], None)):
-        manager.step.groups, manager.step.batched = order, None
-        looped = layer(x)
-        manager.step.batched = batched = manager._batched_rows(order, 4, 9)
+        with lora_step_context(StepSlots(order)):
+            looped = layer(x)
+        batched = manager._batched_rows(order, 4, 9)
         assert batched.first_slot == first_slot
         assert batched.padding is not None and batched.covered is not None
-        torch.testing.assert_close(layer(x), looped, rtol=1e-5, atol=1e-5)
+        with lora_step_context(StepSlots(order, batched)):
+            torch.testing.assert_close(layer(x), looped, rtol=1e-5, atol=1e-5)
         assert not torch.equal(looped, layer.base(x))
+    assert torch.equal(layer(x), layer.base(x))  # outside a step: the base model only
     untouched = [(3, torch.tensor([0, 1]))]  # slot 3 holds nothing for this layer
-    manager.step.groups = untouched
-    manager.step.batched = manager._batched_rows(untouched, 2, 9)
-    assert torch.equal(layer(x), layer.base(x))
+    with lora_step_context(StepSlots(untouched, manager._batched_rows(untouched, 2, 9))):
+        assert torch.equal(layer(x), layer.base(x))
 
 
 def test_llm_takes_the_configs_and_runs_adapters_per_prompt(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import threading
 from collections import OrderedDict
@@ -114,6 +115,18 @@ async def _stream(
     return 200, text
 
 
+async def _admitted(client: httpx.AsyncClient, url: str, adapter: str, n: int) -> None:
+    """Wait until the server has admitted `n` requests on `adapter` (its lora_requests counter:
+    an admitted request is queued to the engine thread ahead of any later load or unload)."""
+    pattern = re.compile(rf'workbench:lora_requests_total{{adapter="{adapter}",[^}}]*}} (\S+)')
+    for _ in range(600):
+        found = pattern.search((await client.get(f"{url}/metrics")).text)
+        if found and float(found.group(1)) >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{n} requests on {adapter} were not admitted within 30 s")
+
+
 def test_hot_reload_and_unload_under_100_streams(
     server: ThreadServer, model_dirs: dict[str, Path], adapter_root: Path
 ) -> None:
@@ -131,14 +144,14 @@ def test_hot_reload_and_unload_under_100_streams(
                 json={"lora_name": "shop", "lora_path": str(adapter_root / "qv4")},
             )
             first = [asyncio.ensure_future(_stream(client, url, "shop", p)) for p in prompts[:50]]
-            await asyncio.sleep(0.3)  # the first wave is running
+            await _admitted(client, url, "shop", 50)  # the first wave is in
             reload = await client.post(
                 f"{url}/v1/load_lora_adapter",
                 json={"lora_name": "shop", "lora_path": str(adapter_root / "ou2")},
             )
             assert reload.status_code == 200
             second = [asyncio.ensure_future(_stream(client, url, "shop", p)) for p in prompts[50:]]
-            await asyncio.sleep(0.3)
+            await _admitted(client, url, "shop", 100)
             unload = await client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "shop"})
             assert unload.status_code == 200
             late = await _stream(client, url, "shop", prompts[0])
