@@ -67,7 +67,7 @@ def _variants_table(results: list[VariantResult]) -> Table:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from workbench.run import run
+    from workbench.run_recipe import run
 
     def show(r: VariantResult) -> None:
         console.print(

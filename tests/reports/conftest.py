@@ -1,4 +1,4 @@
-"""A real run of tests/reports/small.yaml (`workbench.run.run`, the CLI's own call), shared by the
+"""A real run of tests/reports/small.yaml (`workbench.run`, the CLI's own call), shared by the
 report and dashboard tests."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from workbench.run import RunResult, run
+from workbench import RunResult, run
 
 RECIPE = Path(__file__).with_name("small.yaml")
 

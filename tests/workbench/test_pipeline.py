@@ -165,3 +165,17 @@ def test_divergence_without_its_reference_in_the_run_is_skipped(tmp_path: Path) 
     measured = measure_variants(recipe.evals, [only], tmp_path, progress=said.append)
     assert measured == Measurements() and not (tmp_path / "evals").exists()
     assert said == ["divergence int8: skipped, 'base' is not in this run (--variant base)"]
+
+
+def test_the_manifest_file_is_what_its_typed_record_writes(tmp_path: Path) -> None:
+    """`Manifest.read` then `to_json` gives back the file byte for byte (sorted keys), so the
+    typed record changed nothing on disk."""
+    from compress.manifest import Manifest
+
+    results = _run(tmp_path)
+    assert results["base"] == "built"
+    path = tmp_path / "work" / "variants" / "base"
+    manifest = Manifest.read(path)
+    assert manifest is not None and manifest.variant == "base" and manifest.eval is None
+    written = json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n"
+    assert (path / MANIFEST).read_text() == written
