@@ -12,13 +12,14 @@ adapter. A layer that none of the step's adapters touches adds nothing and costs
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from serve.core.step_scope import step_scope
 
 BATCHED_MAX_TOKENS = 256
 """Steps with at most this many tokens (decode steps) run the two batched matmuls per layer,
@@ -55,19 +56,13 @@ class StepSlots:
     batched: BatchedRows | None = None
 
 
-_step = threading.local()
+_step_slots: ContextVar[StepSlots | None] = ContextVar("lora_step_slots", default=None)
 
 
-@contextmanager
-def lora_step_context(slots: StepSlots | None) -> Iterator[None]:
+def lora_step_context(slots: StepSlots | None) -> AbstractContextManager[None]:
     """Make `slots` the adapters of every LoRA layer called inside, on this thread (None: the
     base model only)."""
-    previous = getattr(_step, "slots", None)
-    _step.slots = slots
-    try:
-        yield
-    finally:
-        _step.slots = previous
+    return step_scope(_step_slots, slots)
 
 
 class LoraLinear(nn.Module):
@@ -121,7 +116,7 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        step: StepSlots | None = getattr(_step, "slots", None)
+        step = _step_slots.get()
         groups = [(slot, rows) for slot, rows in step.groups if slot in self.filled] if step else []
         if not step or not groups:
             return y

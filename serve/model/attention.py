@@ -1,7 +1,7 @@
 """Paged attention plugged into transformers' attention interface.
 
 Model: the runner calls the HF model on one flattened (ragged) row of every scheduled token
-inside `step_context(AttentionMetadata)` (the step's forward context, as vLLM's: per thread, so
+inside `step_context(AttentionMetadata)` (the step's forward context, as vLLM's: a ContextVar, so
 the model's own call signature stays tensors only and `torch.compile` sees no Python metadata).
 transformers calls `paged_attention` in every attention layer with that row's queries, keys and
 values (RoPE applied). It writes the new keys and values into their cache slots
@@ -18,15 +18,16 @@ to test against.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from serve.core.step_scope import step_scope
 
 ATTENTION_NAME = "workbench_paged"
 
@@ -192,25 +193,19 @@ class ReferenceBackend:
         return out
 
 
-_step = threading.local()
+_step_meta: ContextVar[AttentionMetadata | None] = ContextVar("attention_metadata", default=None)
 
 
-@contextmanager
-def step_context(meta: AttentionMetadata) -> Iterator[None]:
+def step_context(meta: AttentionMetadata) -> AbstractContextManager[None]:
     """Make `meta` the attention metadata of every layer called inside, on this thread."""
-    previous = getattr(_step, "meta", None)
-    _step.meta = meta
-    try:
-        yield
-    finally:
-        _step.meta = previous
+    return step_scope(_step_meta, meta)
 
 
 def _attend_layer(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
 ) -> torch.Tensor:
     """[1, H, T, D] queries (and KV-head keys/values) in, [1, T, H, D] out."""
-    meta: AttentionMetadata | None = getattr(_step, "meta", None)
+    meta = _step_meta.get()
     if meta is None:
         raise RuntimeError(
             "paged attention was called outside step_context(); run the model through ModelRunner"
