@@ -42,7 +42,7 @@ browser:
 dashboard: $(STAMP)  ## compare every run in reports/ in the browser (http://127.0.0.1:8050/)
 	$(BIN)/workbench dashboard reports
 
-test-slow: $(STAMP)  ## the slow tests (the full toy model; SmolLM2 exactness and pipeline smoke)
+test-slow: $(STAMP)  ## the slow tests (the full toy model; SmolLM2 exactness and pipeline smoke; torch.compile)
 	$(BIN)/pytest -m slow
 
 lint: $(STAMP)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from evals.load import percentiles
 from workbench.cli import main
 
@@ -14,6 +16,7 @@ def test_percentiles() -> None:
     assert (p.p50, p.p95, p.p99, p.mean) == (50.5, 95.05, 99.01, 50.5)
 
 
+@pytest.mark.e2e  # `workbench bench` starts the server in a subprocess
 def test_bench_finds_kv_saturation(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A KV cache of 16 blocks x 16 tokens holds 3.2 requests of 16 + 64 tokens: at 2 clients
     nothing queues; at 8, requests wait while the cache is full."""

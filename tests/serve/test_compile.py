@@ -31,6 +31,7 @@ def compiled_engine(model_dir: Path, backend: str, **sched: int) -> LLMEngine:
 
 
 @needs_cxx
+@pytest.mark.slow  # inductor compiles four graphs per backend (seconds each, cached after)
 @pytest.mark.parametrize("backend", [PAGED_CPU, "sdpa"])
 def test_compiled_engine_matches_generate_without_recompiling(
     model_dirs: dict[str, Path],
