@@ -68,6 +68,17 @@ def test_quantized_variants_load_with_their_layer_types(built: dict[str, dict]) 
         assert m["eval"]["bytes_in_memory"] < built["base"]["eval"]["bytes_in_memory"]
 
 
+@pytest.mark.parametrize("variant", ["nf4", "qlora", "int8", "int4wo"])
+def test_recorded_weight_memory_is_the_model_as_loaded(built: dict[str, dict], variant: str) -> None:
+    """Measured before any forward pass: on the CPU bitsandbytes repacks 4-bit weights at the
+    first one (SmolLM2's nf4 k/v projections shrank by 110,592 bytes a layer when the
+    perplexity ran first)."""
+    from evals.artifact_eval import load_for_eval, memory_bytes
+
+    model = load_for_eval(artifact_from_manifest(built[variant]["path"]))
+    assert built[variant]["eval"]["bytes_in_memory"] == memory_bytes(model)
+
+
 def test_quantization_keeps_perplexity_close(built: dict[str, dict]) -> None:
     base = built["base"]["eval"]["perplexity_corpus"]
     assert built["int8"]["eval"]["perplexity_corpus"] == pytest.approx(base, rel=0.02)
