@@ -69,7 +69,9 @@ def test_quantized_variants_load_with_their_layer_types(built: dict[str, dict]) 
 
 
 @pytest.mark.parametrize("variant", ["nf4", "qlora", "int8", "int4wo"])
-def test_recorded_weight_memory_is_the_model_as_loaded(built: dict[str, dict], variant: str) -> None:
+def test_recorded_weight_memory_is_the_model_as_loaded(
+    built: dict[str, dict], variant: str
+) -> None:
     """Measured before any forward pass: on the CPU bitsandbytes repacks 4-bit weights at the
     first one (SmolLM2's nf4 k/v projections shrank by 110,592 bytes a layer when the
     perplexity ran first)."""
