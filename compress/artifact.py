@@ -118,10 +118,9 @@ def file_hashes(path: Path) -> dict[str, str]:
     }
 
 
-def verify_files(path: Path, manifest: dict[str, Any]) -> str | None:
-    """None when every file the manifest records is there with its recorded content; else what
-    differs (missing, changed, or a manifest that records no hashes)."""
-    recorded = manifest.get("files")
+def verify_files(path: Path, recorded: object) -> str | None:
+    """None when every file a manifest records (its `files`: {relative path: sha256}) is there
+    with its recorded content; else what differs (missing, changed, or no hashes recorded)."""
     if not isinstance(recorded, dict):
         return "its manifest records no file hashes (made by an older workbench)"
     inside = path.resolve()
@@ -142,7 +141,7 @@ def check_intact(path: Path) -> None:
     manifest = read_manifest(path)
     if manifest is None or "files" not in manifest:
         return
-    problem = verify_files(path, manifest)
+    problem = verify_files(path, manifest["files"])
     if problem is not None:
         variant = manifest.get("variant") or path.name
         raise ValueError(

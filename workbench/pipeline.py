@@ -279,7 +279,7 @@ def _reusable(path: Path, expected: str, problems: list[str]) -> Manifest | None
     manifest = Manifest.read(path)
     if manifest is None or manifest.hash != expected:
         return None
-    problem = verify_files(path, manifest.to_json())
+    problem = verify_files(path, manifest.files)
     if problem is not None:
         problems.append(f"{path}: {problem}")
         return None

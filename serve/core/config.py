@@ -9,6 +9,7 @@ docstring under each field are what `workbench serve` derives its flags and help
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
@@ -38,10 +39,15 @@ class Size:
     """A byte count; on the command line also `512MiB`, `2GiB`, `1e9`."""
 
 
+@functools.cache
+def field_hints(cls: type) -> dict[str, Any]:
+    """A config class's field types, `Annotated` metadata kept (resolved once per class)."""
+    return typing.get_type_hints(cls, include_extras=True)
+
+
 def field_meta(cls: type, name: str) -> list[Any]:
     """The `Annotated` metadata of a config field (Range, Size)."""
-    hint = typing.get_type_hints(cls, include_extras=True)[name]
-    return list(getattr(hint, "__metadata__", ()))
+    return list(getattr(field_hints(cls)[name], "__metadata__", ()))
 
 
 def check_fields(config: Any) -> None:

@@ -81,12 +81,11 @@ class AsyncEngine:
         self.max_model_len: int = engine.max_model_len
         self.context_limit: int = engine.context_limit
         """Fixed when the engine is built: read by coroutines without reaching the engine."""
-        self._adapter_names: tuple[str, ...] = (
-            tuple(engine.adapters.current) if engine.adapters else ()
-        )
+        self._adapter_names: tuple[str, ...] = ()
         """The loaded adapter names, least recently used first, as of the last load, unload or
         request that named one: written on the engine thread, read by coroutines (the table
         itself is reordered on the engine thread by every request that resolves a name)."""
+        self._snapshot_adapters()
         self.dead: BaseException | None = None
         self.failed_steps_in_a_row = 0
 
@@ -131,11 +130,10 @@ class AsyncEngine:
         def add() -> None:
             version = None
             if adapter is not None:
-                manager = self.engine.adapters
-                version = manager.resolve(adapter) if manager else None
-                if manager is None or version is None:
+                version = self.engine.resolve_lora(adapter)
+                if version is None:
                     raise UnknownAdapter(adapter)
-                self._adapter_names = tuple(manager.current)  # its least-recently-used order
+                self._snapshot_adapters()  # its least-recently-used order
             self.engine.add_request(request_id, prompt, params, adapter_id=version)
 
         try:
@@ -161,7 +159,7 @@ class AsyncEngine:
         def register() -> tuple[int, list[str]]:
             before = set(manager.current)
             version = self.engine.register_lora(name, adapter, evict)
-            self._adapter_names = tuple(manager.current)
+            self._snapshot_adapters()
             return version, sorted(before - set(manager.current))
 
         version, evicted = await self._call(register)
@@ -181,13 +179,18 @@ class AsyncEngine:
             if name not in manager.current:
                 raise UnknownAdapter(name)
             version = self.engine.unload_lora(name)
-            self._adapter_names = tuple(manager.current)
+            self._snapshot_adapters()
             return version
 
         version = await self._call(unload)
         self.metrics.observe_lora_load(None, len(self._adapter_names))
         self.metrics.forget_adapter(name)
         return version
+
+    def _snapshot_adapters(self) -> None:
+        """On the engine thread (or before it starts): copy the adapter table's names."""
+        manager = self.engine.adapters
+        self._adapter_names = tuple(manager.current) if manager else ()
 
     def adapter_names(self) -> list[str]:
         return list(self._adapter_names)

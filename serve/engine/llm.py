@@ -75,9 +75,9 @@ class LLM:
     def _adapter_id(self, name: str | None) -> int | None:
         if name is None:
             return None
-        manager = self.engine.adapters
-        version = manager.resolve(name) if manager else None
+        version = self.engine.resolve_lora(name)
         if version is None:
+            manager = self.engine.adapters
             loaded = ", ".join(manager.current) if manager else "none"
             raise InvalidRequest(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})")
         return version

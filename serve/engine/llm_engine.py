@@ -282,6 +282,11 @@ class LLMEngine:
             )
         return self.adapters.load(name, Path(path), self.adapters_in_use())
 
+    def resolve_lora(self, name: str) -> int | None:
+        """The current version of adapter `name` (marked most recently used), None when it is
+        not loaded or the engine has no LoRA support."""
+        return self.adapters.resolve(name) if self.adapters is not None else None
+
     def register_lora(self, name: str, adapter: Adapter, evict: bool = False) -> int:
         """Register an adapter read beforehand (`adapters.read`): the cheap, between-steps half."""
         if self.adapters is None:

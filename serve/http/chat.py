@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from serve.engine.async_engine import AsyncEngine, Tracked
 from serve.engine.llm_engine import RequestOutput
-from serve.http.protocol import ChatCompletionRequest, new_id, now
+from serve.http.protocol import ChatCompletionRequest, new_id
 from serve.http.serving import (
     Job,
     RequestError,
@@ -22,6 +22,7 @@ from serve.http.serving import (
     check_lengths,
     collect,
     encode,
+    envelope,
     event_stream,
     merged,
     sse,
@@ -102,7 +103,7 @@ async def chat_events(
     tracked: list[Tracked],
 ) -> AsyncIterator[str]:
     deltas, finals = TextDeltas(job.params[0].stop), {}
-    head = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": body.model}
+    head = envelope(rid, "chat.completion.chunk", body.model)
     for i in range(job.n):
         first = {
             "index": i,
@@ -148,10 +149,7 @@ async def create_chat_completion(
         return event_stream(chat_events(engine, rid, body, job, tracked))
     outputs = await collect(engine, tracked, request.is_disconnected)
     return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": now(),
-        "model": body.model,
+        **envelope(rid, "chat.completion", body.model),
         "choices": [chat_choice(tok, i, o, top_n) for i, o in enumerate(outputs)],
         "usage": usage(outputs, job.prompts),
     }

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from serve.core.detokenizer import decode_text
 from serve.engine.async_engine import AsyncEngine, Tracked
 from serve.engine.llm_engine import RequestOutput
-from serve.http.protocol import CompletionRequest, new_id, now
+from serve.http.protocol import CompletionRequest, new_id
 from serve.http.serving import (
     Job,
     RequestError,
@@ -23,6 +23,7 @@ from serve.http.serving import (
     check_lengths,
     collect,
     encode,
+    envelope,
     event_stream,
     merged,
     sse,
@@ -101,7 +102,7 @@ async def completion_events(
     tracked: list[Tracked],
 ) -> AsyncIterator[str]:
     deltas, finals = TextDeltas(job.params[0].stop), {}
-    head = {"id": rid, "object": "text_completion", "created": now(), "model": body.model}
+    head = envelope(rid, "text_completion", body.model)
     async for index, out in merged(engine, tracked):
         text = deltas.delta(index, out)
         if job.echo and index not in deltas.sent_prompt:
@@ -137,10 +138,7 @@ async def create_completion(body: CompletionRequest, request: Request, server: S
         for i, o in enumerate(outputs)
     ]
     return {
-        "id": rid,
-        "object": "text_completion",
-        "created": now(),
-        "model": body.model,
+        **envelope(rid, "text_completion", body.model),
         "choices": choices,
         "usage": usage(outputs, job.prompts),
     }

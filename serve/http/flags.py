@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from serve.core.config import Range, Size, field_meta
+from serve.core.config import Range, Size, field_hints, field_meta
 
 C = TypeVar("C")
 
@@ -96,7 +96,7 @@ def _base(hint: Any) -> Any:
 
 
 def _parse_kwargs(cls: type, name: str) -> dict[str, Any]:
-    base = _base(typing.get_type_hints(cls, include_extras=True)[name])
+    base = _base(field_hints(cls)[name])
     meta = field_meta(cls, name)
     if base is bool:
         return {"action": argparse.BooleanOptionalAction}

@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from serve.core.sampling_params import SamplingParams
 from serve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed, Tracked
 from serve.engine.llm_engine import RequestOutput
-from serve.http.protocol import error_body
+from serve.http.protocol import error_body, now
 
 
 class ClientGone(Exception):
@@ -172,6 +172,11 @@ def usage(outputs: list[RequestOutput], prompts: list[list[int]]) -> dict[str, i
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
     }
+
+
+def envelope(request_id: str, kind: str, model: str) -> dict[str, Any]:
+    """The fields every OpenAI response body and stream chunk starts with."""
+    return {"id": request_id, "object": kind, "created": now(), "model": model}
 
 
 def sse(payload: dict[str, Any] | str) -> str:
