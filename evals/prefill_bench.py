@@ -28,7 +28,8 @@ from serve.model import attention
 class ThreeDPrefill(attention.SDPABackend):
     """The baseline: prefill chunks passed to SDPA as [heads, n, head_dim]."""
 
-    def attend(self, q, k_cache, v_cache, meta, scale):
+    def attend(self, q, k_cache, v_cache, meta, scale, window=None):
+        assert window is None, "the 3-D prefill baseline has no sliding window"
         out = super().attend(q, k_cache, v_cache, _decodes_only(meta), scale)
         for s in meta.prefills:
             k = attention._gather(k_cache, s.block_ids, s.seq_len).transpose(0, 1)

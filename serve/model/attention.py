@@ -6,8 +6,11 @@ the model's own call signature stays tensors only and `torch.compile` sees no Py
 transformers calls `paged_attention` in every attention layer with that row's queries, keys and
 values (RoPE applied). It writes the new keys and values into their cache slots
 (`slot_mapping`), then attends each sequence's queries over that sequence's blocks
-(`block_tables`, `seq_lens`), causally within the step's chunk. Under `torch.compile` the layer
-is the opaque custom op `workbench::paged_attention`.
+(`block_tables`, `seq_lens`), causally within the step's chunk. A sliding-window layer (Gemma 3's
+local layers: transformers passes `sliding_window`) lets the query at position p see keys at
+p - window + 1 .. p only, as transformers' `sliding_window_overlay` does; every backend applies
+the window, and keys before it are not read. Under `torch.compile` the layer is the opaque custom
+op `workbench::paged_attention`.
 
 Backends implement `attend`: `SDPABackend` gathers each sequence's blocks and runs
 `scaled_dot_product_attention` (decoding sequences in batched calls of similar lengths), on any
@@ -81,15 +84,36 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """q: [T, heads, head_dim] -> [T, heads, head_dim], after the step's K/V are written."""
+        """q: [T, heads, head_dim] -> [T, heads, head_dim], after the step's K/V are written;
+        `window`: the layer's sliding window (None: global attention)."""
         ...
 
 
-def _causal_mask(n: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    """[n, seq_len]: query i (position seq_len - n + i) sees keys at positions <= its own."""
+def _first_key(n: int, seq_len: int, window: int | None) -> int:
+    """The first key position any of the last `n` queries of a `seq_len` context can see."""
+    return 0 if window is None else max(0, seq_len - n - window + 1)
+
+
+def _causal_mask(
+    n: int, seq_len: int, device: torch.device, window: int | None = None, first: int = 0
+) -> torch.Tensor:
+    """[n, seq_len - first]: query i (position seq_len - n + i) sees keys at positions <= its
+    own and, with a window, > its own - window; columns start at key position `first`."""
     q_pos = torch.arange(seq_len - n, seq_len, device=device)[:, None]
-    return torch.arange(seq_len, device=device)[None, :] <= q_pos
+    k_pos = torch.arange(first, seq_len, device=device)[None, :]
+    visible = k_pos <= q_pos
+    return visible if window is None else visible & (k_pos > q_pos - window)
+
+
+def _window_mask(group: DecodeGroup, window: int | None) -> torch.Tensor:
+    """The decode group's mask, narrowed to each sequence's last `window` keys."""
+    if window is None:
+        return group.mask
+    pos = torch.arange(group.mask.shape[-1], device=group.mask.device)
+    recent = pos[None, :] >= (group.seq_lens - window)[:, None]
+    return group.mask & recent[:, None, None, :]
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -121,11 +145,12 @@ class SDPABackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         for g in meta.decodes:
-            out[g.rows] = self.attend_decodes(q[g.rows], k_cache, v_cache, g, scale)
-        self.attend_prefills(q, k_cache, v_cache, meta, scale, out)
+            out[g.rows] = self.attend_decodes(q[g.rows], k_cache, v_cache, g, scale, window)
+        self.attend_prefills(q, k_cache, v_cache, meta, scale, out, window)
         return out
 
     def attend_decodes(
@@ -135,12 +160,14 @@ class SDPABackend:
         v_cache: torch.Tensor,
         group: DecodeGroup,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """One decode group: q [S_g, heads, head_dim] (a token per sequence) -> the same shape."""
         k = _gather_batch(k_cache, group.block_tables)
         v = _gather_batch(v_cache, group.block_tables)
+        mask = _window_mask(group, window)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
+            q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
         )
         return o.squeeze(2)
 
@@ -152,13 +179,16 @@ class SDPABackend:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        window: int | None = None,
     ) -> None:
         for s in meta.prefills:  # NOTE: 4-D inputs: with 3-D ones SDPA takes its math path
-            k = _gather(k_cache, s.block_ids, s.seq_len).transpose(0, 1)[None]
-            v = _gather(v_cache, s.block_ids, s.seq_len).transpose(0, 1)[None]
-            qp = q[s.start : s.end].transpose(0, 1)[None]
             n = s.end - s.start
-            mask = None if n == s.seq_len else _causal_mask(n, s.seq_len, q.device)
+            first = _first_key(n, s.seq_len, window)
+            k = _gather(k_cache, s.block_ids, s.seq_len)[first:].transpose(0, 1)[None]
+            v = _gather(v_cache, s.block_ids, s.seq_len)[first:].transpose(0, 1)[None]
+            qp = q[s.start : s.end].transpose(0, 1)[None]
+            plain_causal = n == s.seq_len and (window is None or n <= window)
+            mask = None if plain_causal else _causal_mask(n, s.seq_len, q.device, window, first)
             o = F.scaled_dot_product_attention(
                 qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
             )
@@ -175,6 +205,7 @@ class ReferenceBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         decodes = [
@@ -187,7 +218,7 @@ class ReferenceBackend:
             k = _gather(k_cache, s.block_ids, s.seq_len).repeat_interleave(group, dim=1)
             v = _gather(v_cache, s.block_ids, s.seq_len).repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[s.start : s.end].float(), k.float()) * scale
-            mask = _causal_mask(s.end - s.start, s.seq_len, q.device)
+            mask = _causal_mask(s.end - s.start, s.seq_len, q.device, window)
             probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
             out[s.start : s.end] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
         return out
@@ -202,7 +233,12 @@ def step_context(meta: AttentionMetadata) -> AbstractContextManager[None]:
 
 
 def _attend_layer(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    window: int | None,
 ) -> torch.Tensor:
     """[1, H, T, D] queries (and KV-head keys/values) in, [1, T, H, D] out."""
     meta = _step_meta.get()
@@ -214,21 +250,32 @@ def _attend_layer(
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
-    return meta.backend.attend(query[0].transpose(0, 1), k_cache, v_cache, meta, scale)[None]
+    q = query[0].transpose(0, 1)
+    return meta.backend.attend(q, k_cache, v_cache, meta, scale, window)[None]
 
 
 @torch.library.custom_op("workbench::paged_attention", mutates_args=())
 def paged_attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    window: int,
 ) -> torch.Tensor:
     """The layer as one opaque op for `torch.compile` (it writes the step's KV cache slots, which
-    are not arguments: each layer's cache is read only by that layer's own op)."""
-    return _attend_layer(query, key, value, layer_idx, scale)
+    are not arguments: each layer's cache is read only by that layer's own op); window 0: none."""
+    return _attend_layer(query, key, value, layer_idx, scale, window or None)
 
 
 @paged_attention_op.register_fake
 def _(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    window: int,
 ) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
 
@@ -246,9 +293,10 @@ def paged_attention(
     """transformers' attention-function contract: [1, H, T, D] in, [1, T, H, D] out."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer_idx = int(module.layer_idx)  # type: ignore[arg-type]  # HF attention modules: an int
+    window = kwargs.get("sliding_window") or None
     if torch.compiler.is_compiling():
-        return paged_attention_op(query, key, value, layer_idx, scale), None
-    return _attend_layer(query, key, value, layer_idx, scale), None
+        return paged_attention_op(query, key, value, layer_idx, scale, window or 0), None
+    return _attend_layer(query, key, value, layer_idx, scale, window), None
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -42,7 +42,7 @@ LINK = ["-shared", "-fopenmp"]
 library would bring crtfastmath, which flushes denormals to zero for the whole process."""
 _FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_ARGTYPES = [_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+_ARGTYPES = [_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int]
 
 
 def _cache_root() -> Path:
@@ -152,6 +152,7 @@ class PagedCPUBackend(SDPABackend):
         v_cache: torch.Tensor,
         group: DecodeGroup,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """One decode group through the kernel (prefills stay on SDPA, as in `SDPABackend`):
         q [S_g, heads, head_dim] (a token per sequence) -> the same shape."""
@@ -178,6 +179,7 @@ class PagedCPUBackend(SDPABackend):
             head_dim,
             block_size,
             scale,
+            window or 0,
             torch.get_num_threads(),
         )
         if rc != 0:

@@ -102,17 +102,6 @@ def kv_layout(model: PreTrainedModel, dtype: torch.dtype) -> KVLayout:
     return KVLayout(config.num_hidden_layers, kv_heads, head_dim, dtype)
 
 
-def _check_supported(model: PreTrainedModel) -> None:
-    config = model.config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or ()
-    if window and "sliding_attention" in layer_types:
-        raise ValueError(
-            f"{type(model).__name__} uses sliding-window attention (window {window}), which "
-            "this engine does not implement; load a model without it"
-        )
-
-
 def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
     path = Path(config.model)
     if path.is_dir():
@@ -122,7 +111,6 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     model = AutoModelForCausalLM.from_pretrained(
         source, attn_implementation=ATTENTION_NAME, **kwargs
     )
-    _check_supported(model)
     model.to(device)  # type: ignore[arg-type]  # transformers types its `to` wrapper oddly
     return model.eval()
 

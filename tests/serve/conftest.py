@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma3TextConfig,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from compress.artifact import load_kwargs
 from serve.model import cpu_attention
@@ -28,7 +35,17 @@ ARCHITECTURES = {
     "llama": LlamaConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
+    "gemma3": Gemma3TextConfig,
 }
+ARCH_EXTRA = {
+    "gemma3": {
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 16,
+    }
+}
+"""Gemma 3 as the real one interleaves them (local layers of 512 then a global one), with a
+16-token window so that most test prompts outrun it."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,7 @@ def make_model(arch: str, tokenizer_dir: Path, out: Path, seed: int = 0) -> Path
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+        **ARCH_EXTRA.get(arch, {}),
     )
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)

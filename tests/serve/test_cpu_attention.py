@@ -52,6 +52,46 @@ def test_decode_kernel_equals_the_reference(
 
 
 @needs_c_compiler
+@pytest.mark.parametrize("window", [1, 7, 8, 50, 1000])
+def test_sliding_window_decode_kernel_equals_the_reference(window: int) -> None:
+    lens = [1, 7, 8, 9, 16, 17, 100, 263]
+    q, k, v, group = scattered_decode(lens, 4, 1, 256, 8, torch.float32)
+    meta = AttentionMetadata([(k, v)], torch.empty(0), [], [group], ReferenceBackend())
+    expected = ReferenceBackend().attend(q, k, v, meta, 0.0625, window)
+    got = cpu_attention.PagedCPUBackend().attend(q, k, v, meta, 0.0625, window)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if window < 263:  # the window changes the answer of the long sequences
+        full = ReferenceBackend().attend(q, k, v, meta, 0.0625)
+        assert not torch.allclose(full[-1], expected[-1])
+
+
+def test_sliding_window_in_sdpa_equals_the_reference_for_prefill_chunks_and_decodes() -> None:
+    """Chunks that start inside, at and past the window; decodes shorter and longer than it."""
+    from serve.model.attention import SDPABackend, SequenceSlice
+
+    torch.manual_seed(0)
+    window, block_size = 12, 4
+    shape = (128, block_size, 2, 16)
+    k, v = torch.randn(shape), torch.randn(shape)
+    chunks = [(0, 5), (0, 30), (9, 6), (20, 3), (12, 12)]  # (computed before, this chunk)
+    prefills, row, next_block = [], 0, 0
+    for done, n in chunks:
+        blocks = torch.arange(next_block, next_block + -(-(done + n) // block_size))
+        next_block += len(blocks)
+        prefills.append(SequenceSlice(row, row + n, done + n, blocks))
+        row += n
+    lens = [3, 12, 13, 40]
+    tables = [list(range(next_block + 10 * i, next_block + 10 * i + 10)) for i in range(4)]
+    rows = list(range(row, row + len(lens)))
+    groups = decode_groups(rows, tables, lens, block_size, 2, torch.device("cpu"))
+    q = torch.randn(row + len(lens), 4, 16)
+    meta = AttentionMetadata([(k, v)], torch.empty(0), prefills, groups, ReferenceBackend())
+    expected = ReferenceBackend().attend(q, k, v, meta, 0.25, window)
+    torch.testing.assert_close(SDPABackend().attend(q, k, v, meta, 0.25, window), expected)
+    assert not torch.allclose(ReferenceBackend().attend(q, k, v, meta, 0.25), expected)
+
+
+@needs_c_compiler
 def test_bfloat16_decode_kernel_is_float32_math_rounded_once() -> None:
     """bf16 inputs, float32 accumulation, one rounding of the output: within bf16's precision
     of the reference computed in float32 from the same bf16 inputs."""

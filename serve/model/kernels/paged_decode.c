@@ -6,6 +6,8 @@
  *   k, v          [num_blocks, block_size, KVH, D]
  *   block_tables  [S, table_width] int64       physical block of each logical block
  *   seq_lens      [S] int64                    tokens in context, this step's included
+ *   window        0, or W: the query at position p sees keys at p - W + 1 .. p only
+ *                 (sliding-window layers); keys before that are not read
  * Query head h reads KV head h / (H / KVH) (grouped-query attention). Work items are
  * (sequence, KV head) pairs; each reads its keys once for the scores of its G query heads,
  * then its values once, so every cached byte is read once per layer.
@@ -43,11 +45,12 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
  * loops are unrolled and the accumulators stay in registers. */
 #define DEFINE_ITEM(SUFFIX, T, LOAD, STORE)                                                    \
     static inline __attribute__((always_inline)) int item_##SUFFIX(                            \
-        const T *q, const T *k, const T *v, const int64_t *table, int64_t len, T *out,         \
-        int64_t H, int64_t KVH, int64_t G, int64_t kvh, int64_t block_size, float scale,       \
-        const int64_t D) {                                                                     \
+        const T *q, const T *k, const T *v, const int64_t *table, int64_t first, int64_t end,   \
+        T *out, int64_t H, int64_t KVH, int64_t G, int64_t kvh, int64_t block_size,            \
+        float scale, const int64_t D) {                                                        \
         float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                       \
         float maxs[MAX_GROUP], sums[MAX_GROUP];                                                \
+        const int64_t len = end - first; /* keys first .. end - 1; scores indexed from 0 */   \
         float *scores = malloc(sizeof(float) * (size_t)(G * (len > 0 ? len : 1)));             \
         if (!scores) return 2;                                                                 \
         for (int64_t g = 0; g < G; g++) {                                                      \
@@ -57,14 +60,14 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
             maxs[g] = -FLT_MAX;                                                                \
             sums[g] = 0.0f;                                                                    \
         }                                                                                      \
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                     \
+        for (int64_t t0 = first - first % block_size; t0 < end; t0 += block_size) {            \
             const T *kb = k + (table[t0 / block_size] * block_size * KVH + kvh) * D;           \
-            const int64_t n = len - t0 < block_size ? len - t0 : block_size;                   \
-            for (int64_t i = 0; i < n; i++)                                                    \
+            const int64_t n = end - t0 < block_size ? end - t0 : block_size;                   \
+            for (int64_t i = t0 < first ? first - t0 : 0; i < n; i++)                         \
                 for (int64_t g = 0; g < G; g++) {                                              \
                     float dot = 0.0f;                                                          \
                     for (int64_t d = 0; d < D; d++) dot += qf[g][d] * LOAD(kb[i * KVH * D + d]); \
-                    scores[g * len + t0 + i] = dot;                                            \
+                    scores[g * len + t0 + i - first] = dot;                                    \
                     maxs[g] = dot > maxs[g] ? dot : maxs[g];                                   \
                 }                                                                              \
         }                                                                                      \
@@ -77,12 +80,12 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
             }                                                                                  \
             sums[g] = sum;                                                                     \
         }                                                                                      \
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                     \
+        for (int64_t t0 = first - first % block_size; t0 < end; t0 += block_size) {            \
             const T *vb = v + (table[t0 / block_size] * block_size * KVH + kvh) * D;           \
-            const int64_t n = len - t0 < block_size ? len - t0 : block_size;                   \
-            for (int64_t i = 0; i < n; i++)                                                    \
+            const int64_t n = end - t0 < block_size ? end - t0 : block_size;                   \
+            for (int64_t i = t0 < first ? first - t0 : 0; i < n; i++)                          \
                 for (int64_t g = 0; g < G; g++) {                                              \
-                    const float p = scores[g * len + t0 + i];                                  \
+                    const float p = scores[g * len + t0 + i - first];                          \
                     for (int64_t d = 0; d < D; d++) acc[g][d] += p * LOAD(vb[i * KVH * D + d]); \
                 }                                                                              \
         }                                                                                      \
@@ -99,7 +102,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     int paged_decode_##SUFFIX(const T *q, const T *k, const T *v, const int64_t *block_tables, \
                               int64_t table_width, const int64_t *seq_lens, T *out, int64_t S, \
                               int64_t H, int64_t KVH, int64_t D, int64_t block_size,           \
-                              float scale, int num_threads) {                                  \
+                              float scale, int64_t window, int num_threads) {                  \
         if (H % KVH || H / KVH > MAX_GROUP || D > MAX_HEAD_DIM) return 1;                      \
         const int64_t G = H / KVH;                                                             \
         int rc = 0;                                                                            \
@@ -109,15 +112,17 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
             const T *qs = q + s * H * D;                                                       \
             T *os = out + s * H * D;                                                           \
             const int64_t *table = block_tables + s * table_width;                             \
+            const int64_t end = seq_lens[s];                                                   \
+            const int64_t first = window > 0 && end > window ? end - window : 0;               \
             int r;                                                                             \
             if (D == 64)                                                                       \
-                r = item_##SUFFIX(qs, k, v, table, seq_lens[s], os, H, KVH, G, kvh,            \
+                r = item_##SUFFIX(qs, k, v, table, first, end, os, H, KVH, G, kvh,            \
                                   block_size, scale, 64);                                      \
             else if (D == 128)                                                                 \
-                r = item_##SUFFIX(qs, k, v, table, seq_lens[s], os, H, KVH, G, kvh,            \
+                r = item_##SUFFIX(qs, k, v, table, first, end, os, H, KVH, G, kvh,            \
                                   block_size, scale, 128);                                     \
             else                                                                               \
-                r = item_##SUFFIX(qs, k, v, table, seq_lens[s], os, H, KVH, G, kvh,            \
+                r = item_##SUFFIX(qs, k, v, table, first, end, os, H, KVH, G, kvh,            \
                                   block_size, scale, D);                                       \
             if (r) rc = r;                                                                     \
         }                                                                                      \
