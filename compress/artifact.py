@@ -195,28 +195,3 @@ def copy_side_files(src: Path, dst: Path) -> None:
         hidden = item.name.startswith(".") or item.name.endswith(BUILD_RECORD_SUFFIX)
         if item.is_file() and not skipped and not hidden:
             shutil.copy2(item, dst / item.name)
-
-
-LOAD_QUANTIZATION = "workbench_quantization.json"
-"""Written next to bfloat16 weights that are quantized when loaded (torchao's int4 CPU tensor
-cannot be saved as safetensors): {"method": "int4-wo", "group_size": G, "skip": [module names]}."""
-
-
-def load_kwargs(path: Path) -> dict[str, Any]:
-    """Extra `from_pretrained` kwargs a model dir needs: for a load-time-quantized artifact, the
-    torchao config and bfloat16; for anything else, nothing (its config.json says it all)."""
-    meta_file = path / LOAD_QUANTIZATION
-    if not meta_file.is_file():
-        return {}
-    meta = json.loads(meta_file.read_text())
-    if meta.get("method") != "int4-wo":
-        raise ValueError(f"{meta_file}: unknown load-time quantization {meta.get('method')!r}")
-    import torch
-    from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
-    from transformers import TorchAoConfig
-
-    config = TorchAoConfig(
-        PrototypeInt4WeightOnlyConfig(group_size=meta["group_size"]),
-        modules_to_not_convert=meta["skip"],
-    )
-    return {"quantization_config": config, "dtype": torch.bfloat16, "device_map": "cpu"}

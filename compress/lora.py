@@ -21,7 +21,7 @@ from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.targets import as_peft_regex, select
 from compress.training import TrainConfig, train
 
-UNTRAINABLE_QUANTIZATION = ("int8-wo",)
+UNTRAINABLE_QUANTIZATION = ("int8-wo", "rtn", "gptq", "awq", "hqq", "mixed")
 """Quantized inputs LoRA training refuses: accelerate's `save_state` fails on torchao's int8
 tensor subclass ("Attempted to access the data pointer on an invalid python storage")."""
 
@@ -97,9 +97,8 @@ class Lora(Step):
     def check(self, artifact: Artifact | None, module_names: list[str] | None) -> None:
         if artifact is not None and artifact.quantization in UNTRAINABLE_QUANTIZATION:
             raise StepError(
-                f"LoRA cannot train on a {artifact.quantization} (torchao) input: accelerate's "
-                "training checkpoint cannot save torchao's int8 weight tensors. For QLoRA "
-                "quantize with bnb-nf4 "
+                f"LoRA cannot train on a {artifact.quantization} input: its weights are torchao "
+                "tensors or packed codes that PEFT does not wrap. For QLoRA quantize with bnb-nf4 "
                 "or bnb-int8 instead, or train the LoRA on the full-precision base and serve the "
                 f"adapter on the {artifact.quantization} variant (`workbench serve VARIANT --lora "
                 "NAME=ADAPTER`)"

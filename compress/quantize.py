@@ -1,29 +1,36 @@
-"""The quantize step: bitsandbytes int8 / nf4 / fp4, and torchao int8 weight-only.
+"""The quantize step: bitsandbytes int8 / nf4 / fp4, torchao int8 / int4 weight-only, and the
+packed methods (rtn, gptq, awq, hqq, mixed: `compress.calibrated`, `compress.mixed`).
 
 Model: the input model is loaded with a quantization config that names which linear layers to
 quantize (`targets`, all linear layers by default, minus `ignore`); the quantized model is
 written with `save_pretrained`, so transformers (and the engine) load it again from its
 `config.json` alone. bitsandbytes methods go through `BitsAndBytesConfig`; `int8-wo` through
-torchao's int8 weight-only config (per-channel int8 weights, activations kept in float).
+torchao's int8 weight-only config (per-channel int8 weights, activations kept in float). The
+packed methods write codes, scales and zero points that `compress.load_spec.load_model` serves
+with torch's int4 / int8 kernels. `method` selects the params model (a tagged union).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Literal
+import time
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import Field
 
-from compress.artifact import LOAD_QUANTIZATION, Artifact, copy_side_files
+from compress.artifact import Artifact, copy_side_files
+from compress.calibrated import Calibrated, check_shapes, quantize_packed
+from compress.load_spec import LOAD_QUANTIZATION
+from compress.mixed import MixedParams, quantize_mixed
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.targets import select
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class QuantizeParams(StepParams):
+class LibraryParams(StepParams):
     method: Literal["bnb-int8", "bnb-nf4", "bnb-fp4", "int8-wo", "int4-wo"]
     """bnb-int8: LLM.int8 (outlier columns in float); bnb-nf4 / bnb-fp4: 4-bit blocks;
     int8-wo: int8 weight-only (torchao); int4-wo: int4 weight-only in groups, bfloat16
@@ -43,6 +50,10 @@ class QuantizeParams(StepParams):
     """Linear layers to keep in full precision."""
 
 
+QuantizeParams = Annotated[LibraryParams | Calibrated | MixedParams, Field(discriminator="method")]
+PACKED_METHODS = ("rtn", "gptq", "awq", "hqq", "mixed")
+
+
 def linear_names(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
@@ -50,8 +61,8 @@ def linear_names(model: torch.nn.Module) -> list[str]:
 @register
 class Quantize(Step):
     name = "quantize"
-    Params = QuantizeParams
-    params: QuantizeParams
+    Params = QuantizeParams  # type: ignore[assignment]  # a tagged union of params models
+    params: Any
 
     def check(self, artifact: Artifact | None, module_names: list[str] | None) -> None:
         if artifact is not None and artifact.quantization:
@@ -119,6 +130,10 @@ class Quantize(Step):
             meta = AutoModelForCausalLM.from_config(config)
         names = linear_names(meta)
         skipped = self._skipped(names)
+        if self.params.method in PACKED_METHODS:
+            return apply_packed(
+                self.params, artifact, ctx, meta, [n for n in names if n not in skipped]
+            )
         if self.params.method in ("bnb-nf4", "bnb-fp4") and ctx.device == "cpu":
             _check_4bit_cpu_shapes(meta, [n for n in names if n not in skipped])
         if self.params.method == "int4-wo":
@@ -162,3 +177,35 @@ def _check_group_shapes(model: torch.nn.Module, names: list[str], group_size: in
             f"int4-wo needs in_features divisible by group_size {group_size}; {len(odd)} layers "
             f"are not (e.g. {odd[0]}: {modules[odd[0]].in_features}); lower group_size or add them to ignore"
         )
+
+
+def apply_packed(
+    params: Any, artifact: Artifact, ctx: StepContext, meta: Any, chosen: list[str]
+) -> Artifact:
+    """A packed method on the chosen linears of `artifact`, written into `ctx.out_dir`."""
+    from rich.progress import Progress
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.packed_io import save_packed
+
+    if not isinstance(params, MixedParams):
+        check_shapes(meta, chosen, params.format)
+    model = AutoModelForCausalLM.from_pretrained(artifact.path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(artifact.path)
+    started = time.perf_counter()
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"quantize: {params.method}", total=None)
+
+        def progress(what: str) -> None:
+            bar.update(task, advance=1, description=f"quantize ({params.method}): {what}")
+
+        with torch.no_grad():
+            if isinstance(params, MixedParams):
+                packed, info = quantize_mixed(model, tokenizer, params, set(chosen), ctx, progress)
+            else:
+                packed, info = quantize_packed(model, tokenizer, params, set(chosen), ctx, progress)
+    info["quantize_seconds"] = round(time.perf_counter() - started, 1)
+    save_packed(packed, ctx.out_dir, {"method": params.method})
+    copy_side_files(artifact.path, ctx.out_dir)
+    info["full_precision_linear_layers"] = sorted(set(linear_names(meta)) - set(packed.modules))
+    return Artifact(ctx.out_dir, "model", info, quantization=params.method)

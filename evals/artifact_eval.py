@@ -17,7 +17,7 @@ import torch
 
 from catalog.data import NAMED
 from compress import Artifact
-from compress.artifact import load_kwargs
+from compress.load_spec import load_model
 from compress.data import load_texts, perplexity, token_rows
 from compress.manifest import ArtifactEval
 
@@ -30,18 +30,13 @@ SEQ_LEN = 128
 def load_for_eval(artifact: Artifact, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The model an artifact describes: the model itself, or an adapter on its base (PEFT);
     float weights (and activations) in `dtype`."""
-    from transformers import AutoModelForCausalLM
-
     if artifact.kind == "adapter":
         from peft import PeftModel
 
         assert artifact.base is not None, "an adapter artifact names its base"
-        base = AutoModelForCausalLM.from_pretrained(
-            artifact.base, dtype=dtype, device_map="cpu", **load_kwargs(artifact.base)
-        )
+        base = load_model(artifact.base, dtype=dtype)
         return PeftModel.from_pretrained(base, artifact.path, torch_dtype=dtype).eval()
-    kwargs = {"dtype": dtype, "device_map": "cpu", **load_kwargs(artifact.path)}
-    return AutoModelForCausalLM.from_pretrained(artifact.path, **kwargs).eval()
+    return load_model(artifact.path, dtype=dtype)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

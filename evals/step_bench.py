@@ -122,13 +122,13 @@ def _synchronize(device: torch.device) -> None:
 
 
 def generate_decode_step(model: PreTrainedModel, n: int, context: int) -> float:
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_output_embeddings().out_features
     ids = torch.tensor([prompt_ids(i, context, vocab) for i in range(n)])
     return (_generate(model, ids, DECODE_STEPS + 1) - _generate(model, ids, 1)) / DECODE_STEPS
 
 
 def generate_prefill(model: PreTrainedModel, tokens: int) -> float:
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_output_embeddings().out_features
     return _generate(model, torch.tensor([prompt_ids(7, tokens, vocab)]), 1)
 
 

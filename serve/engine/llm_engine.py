@@ -103,7 +103,7 @@ class LLMEngine:
         self.scheduler_config = scheduler = with_model_limit(
             scheduler or SchedulerConfig(), position_limit(hf_model)
         )
-        self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = hf_model.get_output_embeddings().out_features
         if model.prepack_linears and can_prepack(device, dtype):
             prepack_linears(hf_model)
         if model.compile and (why_not := why_not_compilable(hf_model, lora is not None)):

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from compress.artifact import check_intact, load_kwargs
+from compress.artifact import check_intact
+from compress.load_spec import load_model as load_artifact
 from serve.core.config import ATTENTION_BACKENDS, CacheConfig, ModelConfig
 from serve.core.scheduler import SchedulerOutput
 from serve.lora.layers import StepSlots, lora_step_context
@@ -107,12 +108,7 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     if path.is_dir():
         check_intact(path)
     source = str(path) if path.exists() else config.model
-    kwargs = {"dtype": dtype, **(load_kwargs(path) if path.exists() else {})}
-    model = AutoModelForCausalLM.from_pretrained(
-        source, attn_implementation=ATTENTION_NAME, **kwargs
-    )
-    model.to(device)  # type: ignore[arg-type]  # transformers types its `to` wrapper oddly
-    return model.eval()
+    return load_artifact(source, dtype=dtype, device=device, attn_implementation=ATTENTION_NAME)
 
 
 def make_backend(
@@ -154,9 +150,7 @@ class ModelRunner:
         lora: LoraConfig | None = None,
     ) -> None:
         self.model, self.device, self.block_size = model, device, cache.block_size
-        embeddings = model.get_input_embeddings().weight
-        assert isinstance(embeddings, torch.Tensor)
-        self.layout = kv_layout(model, embeddings.dtype)
+        self.layout = kv_layout(model, model.dtype)  # the float parameters' dtype
         self.backend = make_backend(backend, model, device, self.layout)
         self.num_blocks = self._num_blocks(cache)
         shape = (self.num_blocks, cache.block_size, self.layout.num_kv_heads, self.layout.head_dim)

@@ -55,11 +55,9 @@ def test_quantized_variants_load_with_their_layer_types(built: dict[str, dict]) 
     assert config["bnb_4bit_quant_type"] == "nf4" and config["bnb_4bit_use_double_quant"] is True
     assert "lm_head" in config["llm_int8_skip_modules"]
     assert type(_layer(built["int8wo"]["path"]).weight).__name__ == "Int8Tensor"
-    from compress.artifact import load_kwargs
+    from compress.load_spec import load_model
 
-    int4 = AutoModelForCausalLM.from_pretrained(
-        built["int4wo"]["path"], **load_kwargs(built["int4wo"]["path"])
-    )
+    int4 = load_model(built["int4wo"]["path"])
     assert type(int4.model.layers[0].mlp.up_proj.weight).__name__ == "Int4OpaqueTensor"
     assert type(int4.lm_head.weight).__name__ == "Parameter"  # ignored by default
     for name in ("int8", "nf4", "fp4", "int8wo", "int4wo"):

@@ -21,7 +21,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from compress.artifact import load_kwargs
+from compress.load_spec import load_model
 from serve.model import cpu_attention
 
 needs_c_compiler = pytest.mark.skipif(
@@ -92,7 +92,7 @@ def make_cases(
 
 def reference_outputs(model_dir: Path, cases: list[Case]) -> list[list[int]]:
     """`generate`, greedy, one request at a time (no padding), stopping at eos like the engine."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs(model_dir)).eval()
+    model = load_model(model_dir)
     outs = []
     with torch.inference_mode():
         for case in cases:

@@ -1,0 +1,207 @@
+"""AWQ (Lin et al., 2023): activation-aware weight scaling and clipping before quantization.
+
+Model: a linear's input channels that carry large activations matter most. For each group of
+linears that read the same input (q/k/v after the attention norm, gate/up after the MLP norm,
+down after up, o after v where their shapes match) search s = mean|x|^a / mean|w|^(1-a) over a
+grid of a in [0, 1): scale the weights' input columns by s, fake-quantize, divide by s, and keep
+the s whose output of the inspected module (the attention block, the MLP, or the linear itself)
+is closest to the float one. The inverse scale is folded into the op before (a norm's weight, or
+up_proj / v_proj's output rows), so the float model computes the same function with weights that
+quantize better. Then each linear but q/k searches, per output row and group, a clipping of its
+largest weights (shrinking |w|max by up to `max_shrink`) that minimises its output error. This
+follows AutoAWQ's `_search_best_scale` / `_search_best_clip`; the weights are then quantized by
+round-to-nearest or GPTQ (the step's `then`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.calibration import Batch
+from compress.grids import rtn
+from compress.packed import PackedFormat
+
+
+@dataclass(frozen=True)
+class AWQSettings:
+    grid: int = 20
+    """Points of a in [0, 1) tried for the scales."""
+    max_shrink: float = 0.5
+    """Clipping tries |w|max x (1 - i / grid) for i below max_shrink x grid."""
+    clip: bool = True
+    search_tokens: int = 4096
+    """Calibration tokens the scale search runs the inspected modules on."""
+    clip_tokens: int = 512
+    """Tokens the clip search compares outputs on."""
+
+
+@dataclass(frozen=True)
+class ScaleGroup:
+    prev: str
+    """The op whose output feeds the linears (a norm, or a linear whose output rows scale)."""
+    linears: tuple[str, ...]
+    inspect: str
+    """The module whose output is compared (it takes the linears' common input)."""
+
+
+def scale_groups(layer: nn.Module) -> list[ScaleGroup]:
+    mlp_norm = (
+        "pre_feedforward_layernorm"
+        if hasattr(layer, "pre_feedforward_layernorm")
+        else "post_attention_layernorm"
+    )
+    attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    groups = [
+        ScaleGroup("input_layernorm", attn, "self_attn"),
+        ScaleGroup(mlp_norm, ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+        ScaleGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+    ]
+    v, o = layer.get_submodule("self_attn.v_proj"), layer.get_submodule("self_attn.o_proj")
+    if v.weight.shape == o.weight.shape:  # no grouped-query sharing: v's rows are o's inputs
+        groups.append(ScaleGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"))
+    return groups
+
+
+def fold_inverse_scale(prev: nn.Module, scales: torch.Tensor) -> None:
+    """Make `prev`'s output x / scales. Gemma's RMSNorm multiplies by (1 + weight)."""
+    if isinstance(prev, nn.Linear):
+        prev.weight.div_(scales[:, None])
+        if prev.bias is not None:
+            prev.bias.div_(scales)
+    elif "Gemma" in type(prev).__name__:
+        prev.weight.add_(1).div_(scales).sub_(1)
+    else:
+        prev.weight.div_(scales)
+
+
+def _inspect(module: nn.Module, batches: list[Batch], kwargs_needed: bool) -> list[torch.Tensor]:
+    outs = []
+    for x, kw in batches:
+        out = module(hidden_states=x, **kw) if kwargs_needed else module(x)
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    return outs
+
+
+def _limit(batches: list[Batch], tokens: int) -> list[Batch]:
+    kept, count = [], 0
+    for b in batches:
+        if count >= tokens:
+            break
+        kept.append(b)
+        count += b[0].shape[0] * b[0].shape[1]
+    return kept
+
+
+@torch.no_grad()
+def search_scales(
+    layer: nn.Module, group: ScaleGroup, inputs: list[Batch], fmt: PackedFormat, cfg: AWQSettings
+) -> torch.Tensor:
+    linears = [layer.get_submodule(n) for n in group.linears]
+    inspect = layer.get_submodule(group.inspect)
+    needs_kwargs = group.inspect == "self_attn"
+    batches = _limit(inputs, cfg.search_tokens)
+    x_mean = torch.cat([x.reshape(-1, x.shape[-1]).abs() for x, _ in batches]).float().mean(0)
+    weight = torch.cat([m.weight for m in linears])
+    size = fmt.group_size or weight.shape[1]
+    w = weight.abs().reshape(-1, size)
+    w_mean = (w / (w.amax(dim=1, keepdim=True) + 1e-6)).reshape(weight.shape).mean(0)
+    reference = _inspect(inspect, batches, needs_kwargs)
+    originals = [m.weight.detach().clone() for m in linears]
+    best, best_loss = torch.ones_like(x_mean), float("inf")
+    for i in range(cfg.grid):
+        ratio = i / cfg.grid
+        scales = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
+        scales = scales / (scales.max() * scales.min()).sqrt()
+        for m, w0 in zip(linears, originals):
+            m.weight.copy_(rtn(w0 * scales, fmt).dequantize() / scales)
+        outs = _inspect(inspect, batches, needs_kwargs)
+        loss = sum(float((o - r).float().pow(2).sum()) for o, r in zip(outs, reference))
+        if loss < best_loss:
+            best, best_loss = scales.clone(), loss
+    for m, w0 in zip(linears, originals):
+        m.weight.copy_(w0)
+    return best
+
+
+@torch.no_grad()
+def search_clip(
+    weight: torch.Tensor, x: torch.Tensor, fmt: PackedFormat, cfg: AWQSettings
+) -> torch.Tensor:
+    """Per output row and group, the |w| bound that minimises the group's output error on `x`."""
+    size = fmt.group_size or weight.shape[1]
+    out_features = weight.shape[0]
+    x = x.reshape(1, x.shape[0], -1, size)
+    best_max = torch.empty(out_features, 1, x.shape[2], 1)
+    for start in range(0, out_features, 64):
+        w = weight[start : start + 64].float().reshape(-1, 1, x.shape[2], size)
+        original = w.abs().amax(dim=-1, keepdim=True)
+        reference = (x * w).sum(-1)
+        errors = torch.full_like(original, float("inf"))
+        chosen = original.clone()
+        for i in range(int(cfg.max_shrink * cfg.grid)):
+            bound = original * (1 - i / cfg.grid)
+            clipped = torch.clamp(w, -bound, bound).reshape(w.shape[0], -1)
+            q = rtn(clipped, fmt).dequantize().reshape(w.shape)
+            err = ((x * q).sum(-1) - reference).pow(2).mean(dim=1).reshape(errors.shape)
+            better = err < errors
+            errors, chosen = torch.where(better, err, errors), torch.where(better, bound, chosen)
+        best_max[start : start + 64] = chosen
+    return best_max
+
+
+def _sample_tokens(batches: list[Batch], name: str, layer: nn.Module, tokens: int) -> torch.Tensor:
+    """`tokens` rows (evenly spaced) of the input the linear `name` sees on these batches."""
+    seen: list[torch.Tensor] = []
+    handle = layer.get_submodule(name).register_forward_pre_hook(
+        lambda _m, args: seen.append(args[0].reshape(-1, args[0].shape[-1]))
+    )
+    try:
+        for x, kw in batches:
+            layer(x, **kw)
+    finally:
+        handle.remove()
+    flat = torch.cat(seen)
+    step = max(1, len(flat) // tokens)
+    return flat[::step][:tokens].float()
+
+
+@torch.no_grad()
+def apply_awq(
+    layer: nn.Module, batches: list[Batch], fmt: PackedFormat, cfg: AWQSettings
+) -> dict[str, Any]:
+    """Scale and clip one decoder layer in place (its float function unchanged by the scales);
+    returns what was chosen, for the manifest."""
+    record: dict[str, Any] = {}
+    for group in scale_groups(layer):
+        inputs = _group_inputs(layer, group, _limit(batches, cfg.search_tokens))
+        scales = search_scales(layer, group, inputs, fmt, cfg)
+        fold_inverse_scale(layer.get_submodule(group.prev), scales)
+        for name in group.linears:
+            layer.get_submodule(name).weight.mul_(scales)
+        record[group.inspect] = float(scales.max() / scales.min())
+    if cfg.clip:
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.Linear) and not name.endswith(("q_proj", "k_proj")):
+                x = _sample_tokens(_limit(batches, cfg.search_tokens), name, layer, cfg.clip_tokens)
+                bound = search_clip(module.weight, x, fmt, cfg)
+                size = fmt.group_size or module.weight.shape[1]
+                w = module.weight.reshape(module.weight.shape[0], 1, -1, size)
+                module.weight.copy_(torch.clamp(w, -bound, bound).reshape(module.weight.shape))
+    return record
+
+
+def _group_inputs(layer: nn.Module, group: ScaleGroup, batches: list[Batch]) -> list[Batch]:
+    """What the group's inspected module receives on each batch, with the layer's kwargs."""
+    first = layer.get_submodule(group.linears[0])
+    captured: list[torch.Tensor] = []
+    handle = first.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    try:
+        for x, kw in batches:
+            layer(x, **kw)
+    finally:
+        handle.remove()
+    return [(c, kw) for c, (_, kw) in zip(captured, batches)]

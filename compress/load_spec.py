@@ -1,0 +1,115 @@
+"""How an artifact is stored and loaded: one typed `LoadSpec`, read in one place.
+
+Model: a model dir is one of
+- `hf`: plain weights; transformers loads it from config.json alone,
+- `hf-quantized`: config.json carries a `quantization_config` (bitsandbytes, torchao int8);
+  transformers quantizes or reads it itself,
+- `int4-at-load`: bfloat16 weights plus `workbench_quantization.json`, quantized by torchao's
+  int4 CPU tensor when loaded (it cannot be saved as safetensors),
+- `packed`: integer codes with scales and zero points (`compress.packed`) for the linears a
+  calibrated method (RTN, GPTQ, AWQ, HQQ, a mixed plan) quantized, described by
+  `workbench_packed.json`; loaded by building the transformers model from its config and
+  swapping in the packed modules (gpt-fast's two phases: quantize offline, swap classes at load).
+`load_model` is what the engine, the evals and the tests call; nothing else reads these files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+LOAD_QUANTIZATION = "workbench_quantization.json"
+"""Next to bfloat16 weights that are quantized when loaded (torchao's int4 CPU tensor cannot be
+saved as safetensors): {"method": "int4-wo", "group_size": G, "skip": [module names]}."""
+PACKED = "workbench_packed.json"
+"""Next to a packed checkpoint: {"format": "packed", "version": 1, "modules": {name: format},
+"embeddings": "int8" | null, "tied": bool, "method": ...}."""
+PACKED_VERSION = 1
+Format = Literal["hf", "hf-quantized", "int4-at-load", "packed"]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    path: Path
+    format: Format
+    scheme: str | None = None
+    """The quantization method its weights carry (bnb-nf4, int4-wo, gptq, ...), if any."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The format's own description (the sidecar file's content, or the quantization_config)."""
+
+    @property
+    def module_formats(self) -> dict[str, str]:
+        """For `packed`: module name -> `int4-g128` / `int8`."""
+        return dict(self.params.get("modules", {}))
+
+
+def read_load_spec(path: Path) -> LoadSpec:
+    """The spec of a local model dir; ValueError naming the file when a sidecar is malformed."""
+    for name, fmt in ((PACKED, "packed"), (LOAD_QUANTIZATION, "int4-at-load")):
+        sidecar = path / name
+        if sidecar.is_file():
+            try:
+                meta = json.loads(sidecar.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{sidecar}: not JSON ({e}); rebuild the variant") from None
+            return _checked(LoadSpec(path, fmt, meta.get("method"), meta), sidecar)  # type: ignore[arg-type]
+    config = path / "config.json"
+    quant = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    if quant:
+        return LoadSpec(path, "hf-quantized", quant.get("quant_method"), quant)
+    return LoadSpec(path, "hf")
+
+
+def _checked(spec: LoadSpec, sidecar: Path) -> LoadSpec:
+    if spec.format == "int4-at-load" and spec.params.get("method") != "int4-wo":
+        raise ValueError(f"{sidecar}: unknown load-time quantization {spec.params.get('method')!r}")
+    if spec.format == "packed" and spec.params.get("version") != PACKED_VERSION:
+        raise ValueError(
+            f"{sidecar}: packed format version {spec.params.get('version')!r}, this workbench "
+            f"reads {PACKED_VERSION}; rebuild the variant"
+        )
+    return spec
+
+
+def load_model(
+    source: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+) -> Any:
+    """The transformers model an artifact dir (or hub id) holds, on `device`, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(source)
+    spec = read_load_spec(path) if path.is_dir() else LoadSpec(path, "hf")
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    if spec.format == "packed":
+        from compress.packed_io import load_packed
+
+        return load_packed(spec, dtype, torch.device(device), extra).eval()
+    kwargs: dict[str, Any] = {"dtype": dtype, **extra}
+    if spec.format == "int4-at-load":
+        kwargs.update(_int4_at_load(spec))
+    elif spec.format == "hf-quantized":
+        kwargs["device_map"] = str(device)
+    source = str(path) if path.exists() else str(source)
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    if spec.format == "hf":
+        model.to(device)
+    return model.eval()
+
+
+def _int4_at_load(spec: LoadSpec) -> dict[str, Any]:
+    from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    config = TorchAoConfig(
+        PrototypeInt4WeightOnlyConfig(group_size=spec.params["group_size"]),
+        modules_to_not_convert=spec.params["skip"],
+    )
+    return {"quantization_config": config, "dtype": torch.bfloat16, "device_map": "cpu"}

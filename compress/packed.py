@@ -1,0 +1,168 @@
+"""Packed integer weights: the stored format of calibrated quantization, and the modules that
+serve it.
+
+Model: a quantized linear keeps integer codes `q` (0 .. 2^bits - 1), and per output row and group
+of `group_size` input features a scale `s` and a float zero point `z`: its weight is
+`(q - z) * s`. A float zero point covers asymmetric GPTQ / RTN (an integer z) and HQQ (a
+fitted one) alike.
+- int4 (`group_size` 32 / 64 / 128 / 256) runs through torch's int4 CPU kernel
+  (`_weight_int4pack_mm_for_cpu`: weight `(q - 8) * s + m`, so `m = (8 - z) * s`), the weight
+  staying 4-bit in memory.
+- int8 is per output channel (`group_size` None) and runs through torch's int8 kernel
+  (`_weight_int8pack_mm`) on `q - 128`, plus `x.sum(-1) * (128 - z) * s` when `z` is not 128.
+- On other devices both dequantize per call (correct, not fast).
+- An embedding may be int8 per row (a table lookup dequantizes the rows it reads); a tied
+  `lm_head` then reads the same codes through the int8 kernel.
+Stored in safetensors as `<module>.qweight` (uint8; int4 two codes a byte, even column in the low
+nibble), `<module>.scales` and `<module>.zeros` (float32, [out, groups]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class PackedFormat:
+    """How one module's weight is stored."""
+
+    bits: int
+    """4 or 8."""
+    group_size: int | None
+    """Input features per scale and zero point (int4); None: one per output row (int8)."""
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}" + (f"-g{self.group_size}" if self.group_size else "")
+
+    def bits_per_weight(self) -> float:
+        """Code bits plus the float32 scale and zero point of each group (or row)."""
+        return self.bits + (64 / self.group_size if self.group_size else 0.0)
+
+    @classmethod
+    def parse(cls, name: str) -> PackedFormat:
+        """`int4-g32` .. `int4-g256`, or `int8`."""
+        if name == "int8":
+            return cls(8, None)
+        bits, _, group = name.partition("-g")
+        if bits == "int4" and group.isdigit() and int(group) in INT4_GROUP_SIZES:
+            return cls(4, int(group))
+        raise ValueError(
+            f"unknown packed format {name!r}; use int8 or int4-g32, int4-g64, int4-g128, int4-g256"
+        )
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """One weight as codes, scales and zero points: `weight = (q - z) * s`, by group."""
+
+    q: torch.Tensor
+    """[out, in] integer codes (uint8)."""
+    scales: torch.Tensor
+    """[out, groups] float32."""
+    zeros: torch.Tensor
+    """[out, groups] float32."""
+
+    def dequantize(self) -> torch.Tensor:
+        group = self.q.shape[1] // self.scales.shape[1]
+        s = self.scales.repeat_interleave(group, dim=1)
+        z = self.zeros.repeat_interleave(group, dim=1)
+        return (self.q.float() - z) * s
+
+
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes as stored: int8 as is, int4 two a byte (even column in the low nibble)."""
+    q = q.to(torch.uint8)
+    return q if bits == 8 else q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_codes(stored: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return stored
+    out = torch.empty(stored.shape[0], stored.shape[1] * 2, dtype=torch.uint8, device=stored.device)
+    out[:, 0::2], out[:, 1::2] = stored & 0xF, stored >> 4
+    return out
+
+
+class PackedLinear4(nn.Module):
+    """int4 weight, float activations: `x @ ((q - z) * s).T (+ bias)`."""
+
+    def __init__(self, qw: Quantized, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qw.q.shape
+        self.group_size = self.in_features // qw.scales.shape[1]
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.kernel = qw.q.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        if self.kernel:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32), 1)
+            offsets = (8 - qw.zeros) * qw.scales
+            sz = torch.stack([qw.scales.t(), offsets.t()], dim=-1).contiguous().to(dtype)
+            self.register_buffer("packed", packed, persistent=False)
+            self.register_buffer("scales_and_zeros", sz, persistent=False)
+        else:
+            self.register_buffer("q", qw.q, persistent=False)
+            self.register_buffer("scales", qw.scales, persistent=False)
+            self.register_buffer("zeros", qw.zeros, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            flat = x.reshape(-1, self.in_features).contiguous()
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat, self.packed, self.group_size, self.scales_and_zeros
+            ).reshape(*x.shape[:-1], self.out_features)
+        else:
+            weight = Quantized(self.q, self.scales, self.zeros).dequantize()
+            y = F.linear(x, weight.to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+
+class PackedLinear8(nn.Module):
+    """int8 weight per output channel, float activations."""
+
+    def __init__(self, qw: Quantized, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qw.q.shape
+        self.register_buffer("q_signed", (qw.q.int() - 128).to(torch.int8), persistent=False)
+        self.register_buffer("scales", qw.scales[:, 0].to(dtype), persistent=False)
+        offset = ((128 - qw.zeros[:, 0]) * qw.scales[:, 0]).to(dtype)
+        self.register_buffer("offset", offset if offset.any() else None, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()
+        if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.bfloat16):
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.q_signed, self.scales)
+        else:
+            y = F.linear(flat, self.q_signed.to(flat.dtype) * self.scales[:, None])
+        if self.offset is not None:
+            y = y + flat.sum(-1, keepdim=True) * self.offset
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class PackedEmbedding8(nn.Module):
+    """int8 rows: a lookup dequantizes only the rows it reads. `embed_scale` (Gemma multiplies
+    its embeddings by sqrt(hidden)) is kept from the module it replaces."""
+
+    def __init__(self, qw: Quantized, dtype: torch.dtype, embed_scale: torch.Tensor | None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = qw.q.shape
+        self.linear = PackedLinear8(qw, None, dtype)
+        self.embed_scale = embed_scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.linear.q_signed[ids].to(self.linear.scales.dtype)
+        out = rows * self.linear.scales[ids][..., None]
+        if self.linear.offset is not None:
+            out = out + self.linear.offset[ids][..., None]
+        return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
+
+
+def packed_module(fmt: PackedFormat, qw: Quantized, bias: torch.Tensor | None, dtype: torch.dtype):
+    return (PackedLinear4 if fmt.bits == 4 else PackedLinear8)(qw, bias, dtype)

@@ -1,0 +1,150 @@
+"""Writing and reading packed checkpoints (the `packed` format of `compress.load_spec`).
+
+Contract: `save_packed` writes config.json, generation_config.json, one model.safetensors (the
+float tensors of everything not packed, and `<module>.qweight/.scales/.zeros` of each packed
+module) and `workbench_packed.json`; `load_packed` rebuilds the transformers model from the
+config without initialising weights, swaps in the packed modules, and loads every stored tensor,
+refusing a checkpoint with tensors missing or left over.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from compress.load_spec import PACKED, PACKED_VERSION, LoadSpec
+from compress.packed import (
+    PackedEmbedding8,
+    PackedFormat,
+    Quantized,
+    pack_codes,
+    packed_module,
+    unpack_codes,
+)
+
+WEIGHTS = "model.safetensors"
+SUFFIXES = ("qweight", "scales", "zeros")
+
+
+@dataclass(frozen=True)
+class PackedModel:
+    """What a calibrated method made: the float model (packed modules' weights ignored) and,
+    per packed module, its format and codes."""
+
+    model: Any
+    modules: dict[str, tuple[PackedFormat, Quantized]]
+    embeddings: Quantized | None = None
+    """int8 rows of the input embedding (a tied lm_head reads them too)."""
+
+
+def _embedding_name(model: Any) -> str:
+    embed = model.get_input_embeddings()
+    return next(n for n, m in model.named_modules() if m is embed)
+
+
+def _tied(model: Any) -> bool:
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
+
+def save_packed(packed: PackedModel, out: Path, record: dict[str, Any]) -> None:
+    model = packed.model
+    embed_name = _embedding_name(model)
+    skip = {f"{n}.weight" for n in packed.modules}
+    if packed.embeddings is not None:
+        skip.add(f"{embed_name}.weight")
+    if _tied(model):
+        skip.add("lm_head.weight")
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in skip}
+    coded = dict(packed.modules)
+    if packed.embeddings is not None:
+        coded[embed_name] = (PackedFormat(8, None), packed.embeddings)
+    for name, (fmt, qw) in coded.items():
+        state[f"{name}.qweight"] = pack_codes(qw.q, fmt.bits)
+        state[f"{name}.scales"], state[f"{name}.zeros"] = qw.scales, qw.zeros
+    save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
+    model.config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    meta = {
+        "format": "packed",
+        "version": PACKED_VERSION,
+        **record,
+        "modules": {n: fmt.name for n, (fmt, _) in sorted(packed.modules.items())},
+        "embeddings": "int8" if packed.embeddings is not None else None,
+        "tied": _tied(model),
+    }
+    (out / PACKED).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a mapping)
+
+
+def _take(state: dict[str, torch.Tensor], name: str, bits: int, device: torch.device) -> Quantized:
+    try:
+        q, scales, zeros = (state.pop(f"{name}.{s}") for s in SUFFIXES)
+    except KeyError as e:
+        raise ValueError(f"packed checkpoint lacks {e.args[0]}; rebuild the variant") from None
+    return Quantized(unpack_codes(q, bits).to(device), scales.to(device), zeros.to(device))
+
+
+def load_packed(
+    spec: LoadSpec, dtype: torch.dtype, device: torch.device, extra: dict[str, Any]
+) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    config = AutoConfig.from_pretrained(spec.path)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+    state = _read(spec.path)
+    for name, fmt_name in spec.module_formats.items():
+        fmt = PackedFormat.parse(fmt_name)
+        old = model.get_submodule(name)
+        qw = _take(state, name, fmt.bits, device)
+        bias = state.pop(f"{name}.bias", None)
+        _replace(model, name, packed_module(fmt, qw, bias, dtype))
+        del old
+    int8_embeddings = spec.params.get("embeddings") == "int8"
+    embed_name = _embedding_name(model)
+    embedding = _take(state, embed_name, 8, device) if int8_embeddings else None
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    allowed = {f"{embed_name}.weight"} if int8_embeddings else set()
+    missing = [k for k in missing if k not in allowed and not _is_tied_head(model, k)]
+    if missing or unexpected:
+        raise ValueError(
+            f"{spec.path / WEIGHTS}: tensors missing {missing[:5]} or unexpected "
+            f"{unexpected[:5]}; the checkpoint does not match its config: rebuild the variant"
+        )
+    if embedding is not None:
+        _install_int8_embeddings(model, embedding, dtype, bool(spec.params.get("tied")))
+    else:
+        model.tie_weights()  # NOTE: from_config without weight init leaves a tied head unset
+    return model.to(device)
+
+
+def _is_tied_head(model: Any, key: str) -> bool:
+    return key == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
+
+
+def _install_int8_embeddings(model: Any, qw: Quantized, dtype: torch.dtype, tied: bool) -> None:
+    name = _embedding_name(model)
+    old = model.get_submodule(name)
+    embedding = PackedEmbedding8(qw, dtype, getattr(old, "embed_scale", None))
+    _replace(model, name, embedding)
+    if tied:  # the head reads the same int8 codes: one copy in memory
+        _replace(model, "lm_head", embedding.linear)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
