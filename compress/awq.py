@@ -68,14 +68,21 @@ def scale_groups(layer: nn.Module) -> list[ScaleGroup]:
 
 def fold_inverse_scale(prev: nn.Module, scales: torch.Tensor) -> None:
     """Make `prev`'s output x / scales. Gemma's RMSNorm multiplies by (1 + weight)."""
+    weight = _weight(prev)
     if isinstance(prev, nn.Linear):
-        prev.weight.div_(scales[:, None])
+        weight.div_(scales[:, None])
         if prev.bias is not None:
             prev.bias.div_(scales)
     elif "Gemma" in type(prev).__name__:
-        prev.weight.add_(1).div_(scales).sub_(1)
+        weight.add_(1).div_(scales).sub_(1)
     else:
-        prev.weight.div_(scales)
+        weight.div_(scales)
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor), f"{type(module).__name__} has no weight tensor"
+    return weight
 
 
 def _inspect(module: nn.Module, batches: list[Batch], kwargs_needed: bool) -> list[torch.Tensor]:
@@ -100,30 +107,30 @@ def _limit(batches: list[Batch], tokens: int) -> list[Batch]:
 def search_scales(
     layer: nn.Module, group: ScaleGroup, inputs: list[Batch], fmt: PackedFormat, cfg: AWQSettings
 ) -> torch.Tensor:
-    linears = [layer.get_submodule(n) for n in group.linears]
+    linears = [_weight(layer.get_submodule(n)) for n in group.linears]
     inspect = layer.get_submodule(group.inspect)
     needs_kwargs = group.inspect == "self_attn"
     batches = _limit(inputs, cfg.search_tokens)
     x_mean = torch.cat([x.reshape(-1, x.shape[-1]).abs() for x, _ in batches]).float().mean(0)
-    weight = torch.cat([m.weight for m in linears])
+    weight = torch.cat(linears)
     size = fmt.group_size or weight.shape[1]
     w = weight.abs().reshape(-1, size)
     w_mean = (w / (w.amax(dim=1, keepdim=True) + 1e-6)).reshape(weight.shape).mean(0)
     reference = _inspect(inspect, batches, needs_kwargs)
-    originals = [m.weight.detach().clone() for m in linears]
+    originals = [m.detach().clone() for m in linears]
     best, best_loss = torch.ones_like(x_mean), float("inf")
     for i in range(cfg.grid):
         ratio = i / cfg.grid
         scales = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
         scales = scales / (scales.max() * scales.min()).sqrt()
         for m, w0 in zip(linears, originals):
-            m.weight.copy_(rtn(w0 * scales, fmt).dequantize() / scales)
+            m.copy_(rtn(w0 * scales, fmt).dequantize() / scales)
         outs = _inspect(inspect, batches, needs_kwargs)
         loss = sum(float((o - r).float().pow(2).sum()) for o, r in zip(outs, reference))
         if loss < best_loss:
             best, best_loss = scales.clone(), loss
     for m, w0 in zip(linears, originals):
-        m.weight.copy_(w0)
+        m.copy_(w0)
     return best
 
 
@@ -181,7 +188,7 @@ def apply_awq(
         scales = search_scales(layer, group, inputs, fmt, cfg)
         fold_inverse_scale(layer.get_submodule(group.prev), scales)
         for name in group.linears:
-            layer.get_submodule(name).weight.mul_(scales)
+            _weight(layer.get_submodule(name)).mul_(scales)
         record[group.inspect] = float(scales.max() / scales.min())
     if cfg.clip:
         for name, module in layer.named_modules():

@@ -100,7 +100,7 @@ def load_model(
     source = str(path) if path.exists() else str(source)
     model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     if spec.format == "hf":
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers types its `to` wrapper oddly
     return model.eval()
 
 

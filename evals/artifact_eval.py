@@ -17,8 +17,8 @@ import torch
 
 from catalog.data import NAMED
 from compress import Artifact
-from compress.load_spec import load_model
 from compress.data import load_texts, perplexity, token_rows
+from compress.load_spec import load_model
 from compress.manifest import ArtifactEval
 
 EVAL_ROWS = 64

@@ -186,3 +186,45 @@ def all_figures(entries: list[Entry], quality_key: str | None, lower_better: boo
         figs["latency"] = p95_vs_concurrency(entries)
         figs["kv"] = kv_vs_concurrency(entries)
     return figs
+
+
+def sensitivity_heatmap(
+    name: str, sensitivity: dict[str, dict[str, float]], plan: dict[str, str]
+) -> go.Figure:
+    """Per candidate format, the KL when only that part (layer x module kind) is quantized to it,
+    on a log colour scale; a dot marks the format the mixed plan gave the part."""
+    import math
+
+    kinds = ["attn_in", "attn_out", "mlp_in", "mlp_out"]
+    layers = sorted({int(p.split(".")[0]) for p in sensitivity})
+    formats = list(next(iter(sensitivity.values()))) if sensitivity else []
+    formats = [f for f in formats if f != "keep"]
+    fig = make_subplots(
+        rows=1, cols=max(len(formats), 1), subplot_titles=formats, shared_yaxes=True
+    )
+    for i, fmt in enumerate(formats):
+        z = [[sensitivity.get(f"{layer}.{k}", {}).get(fmt) for k in kinds] for layer in layers]
+        fig.add_trace(
+            go.Heatmap(
+                z=[[math.log10(v) if v and v > 0 else None for v in row] for row in z],
+                x=kinds,
+                y=[str(layer) for layer in layers],
+                text=[
+                    ["●" if plan.get(f"{layer}.{k}") == fmt else "" for k in kinds]
+                    for layer in layers
+                ],
+                texttemplate="%{text}",
+                customdata=z,
+                hovertemplate="layer %{y} %{x}: KL %{customdata:.2e}<extra>" + fmt + "</extra>",
+                coloraxis="coloraxis",
+            ),
+            row=1,
+            col=i + 1,
+        )
+    fig.update_layout(
+        title=f"{name}: sensitivity (log10 KL when one part is quantized; ● = the plan's choice)",
+        coloraxis={"colorscale": "Viridis", "colorbar": {"title": "log10 KL"}},
+        yaxis={"title": "layer", "autorange": "reversed"},
+        height=max(300, 24 * len(layers) + 140),
+    )
+    return fig

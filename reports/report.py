@@ -91,6 +91,7 @@ def build_report(
                     "hash": v.manifest.hash,
                     "steps": [s.to_json() for s in v.manifest.steps],
                     "quantization": v.manifest.quantization,
+                    **_plan_of(v.manifest.info),
                 },
                 "quality": measured[v.name].quality_json(),
                 "load": load.to_json() if (load := measured[v.name].load) else None,
@@ -105,6 +106,12 @@ def build_report(
         "quality_axis": {"key": key, "lower_is_better": lower},
         "pareto_front": pareto_front(rows, key, lower) if key else [],
     }
+
+
+def _plan_of(info: dict[str, Any]) -> dict[str, Any]:
+    """A mixed-precision variant's scan and plan, as its manifest records them."""
+    keys = ("sensitivity", "plan", "predicted_kl", "measured_kl", "planned_bits_per_weight")
+    return {k: info[k] for k in keys if k in info}
 
 
 def entries(report: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
@@ -238,6 +245,11 @@ def write_report(report: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     key, lower = report["quality_axis"]["key"], report["quality_axis"]["lower_is_better"]
     figs = figures.all_figures(entries(report), key, lower)
+    for v in report["variants"]:
+        if v["manifest"].get("sensitivity"):
+            figs[f"sensitivity-{v['name']}"] = figures.sensitivity_heatmap(
+                v["name"], v["manifest"]["sensitivity"], v["manifest"].get("plan", {})
+            )
     plots = "".join(
         fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{name}")
         for name, fig in figs.items()

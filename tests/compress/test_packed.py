@@ -1,5 +1,6 @@
-"""Packed weights and the modules that serve them: each equals a float matmul with the
-dequantized weight `(q - z) * s`, through torch's int4 / int8 CPU kernels."""
+"""Packed weights and the modules that serve them: each equals a matmul with the dequantized
+weight `(q - z) * s`, through torch's int4 / int8 CPU kernels, which compute in bfloat16 (so to
+bfloat16's precision: 8 bits of mantissa)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def test_int4_module_equals_the_dequantized_matmul(
     module = PackedLinear4(qw, bias, torch.float32)
     assert module.kernel and module.packed.dtype == torch.uint8
     x = torch.randn(2, 7, 256)
-    torch.testing.assert_close(module(x), x @ qw.dequantize().t() + bias, rtol=1e-5, atol=1e-4)
+    y = module(x)
+    assert y.dtype == torch.float32  # the model's dtype in and out
+    torch.testing.assert_close(y, x @ qw.dequantize().t() + bias, rtol=2e-2, atol=0.25)
 
 
 @pytest.mark.parametrize("sym", [True, False])
@@ -42,16 +45,18 @@ def test_int8_module_equals_the_dequantized_matmul(weight: torch.Tensor, sym: bo
     module = PackedLinear8(qw, None, torch.float32)
     assert (module.offset is None) == sym  # a symmetric grid needs no zero-point correction
     x = torch.randn(5, 256)
-    torch.testing.assert_close(module(x), x @ qw.dequantize().t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(module(x), x @ qw.dequantize().t(), rtol=2e-2, atol=0.25)
 
 
-def test_bfloat16_activations_through_the_kernels(weight: torch.Tensor) -> None:
+def test_the_kernels_compute_in_bfloat16_whatever_the_model_dtype(weight: torch.Tensor) -> None:
+    """float32 and bfloat16 models give the same products: both run the bfloat16 kernels."""
     x = torch.randn(3, 256)
     for cls, fmt in ((PackedLinear4, PackedFormat(4, 64)), (PackedLinear8, PackedFormat(8, None))):
         qw = rtn(weight, fmt)
-        y = cls(qw, None, torch.bfloat16)(x.bfloat16())
-        assert y.dtype == torch.bfloat16
-        torch.testing.assert_close(y.float(), x @ qw.dequantize().t(), rtol=3e-2, atol=0.3)
+        y16 = cls(qw, None, torch.bfloat16)(x.bfloat16())
+        y32 = cls(qw, None, torch.float32)(x)
+        assert y16.dtype == torch.bfloat16 and y32.dtype == torch.float32
+        torch.testing.assert_close(y32, y16.float(), rtol=0, atol=0)
 
 
 def test_int8_embedding_reads_rows_and_keeps_the_embed_scale(weight: torch.Tensor) -> None:

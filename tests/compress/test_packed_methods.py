@@ -117,7 +117,7 @@ def test_mixed_plan_within_budget_and_built_as_planned(built: dict[str, Path]) -
             "mlp_in": "gate_proj",
             "mlp_out": "down_proj",
         }[kind]
-        key = next(k for k in modules if k.endswith(f"layers.{layer}.{leaf}"))
+        key = next(k for k in modules if f"layers.{layer}." in k and k.endswith(f".{leaf}"))
         assert modules[key] == fmt
     assert set(info["sensitivity"]["0.attn_in"]) == {"int4-g32", "int4-g64", "int8"}
     assert info["measured_kl"] >= 0 and info["predicted_kl"] >= 0
