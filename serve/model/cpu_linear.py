@@ -46,22 +46,31 @@ def _(
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
+def packed_dtypes() -> tuple[torch.dtype, ...]:
+    """float32, and bfloat16 where oneDNN's bf16 reorder runs on this CPU (it needs AVX-512
+    BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU it raises)."""
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return (torch.float32, torch.bfloat16)
+    return (torch.float32,)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+    return (
+        device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in packed_dtypes()
+    )
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replace every plain float32 or bfloat16 CPU `nn.Linear` (not subclasses: quantized layers
-    keep their own kernels) by a `PackedLinear`; returns how many were replaced."""
+    """Replace every plain float32 or bfloat16 (where this CPU packs it) CPU `nn.Linear` (not
+    subclasses: quantized layers keep their own kernels) by a `PackedLinear`; returns how many
+    were replaced."""
+    dtypes = packed_dtypes()
     targets = [
         (name, m)
         for name, m in model.named_modules()
         if type(m) is nn.Linear
         and type(m.weight.data) is torch.Tensor  # not a quantized tensor subclass (torchao)
-        and m.weight.dtype in PACKED_DTYPES
+        and m.weight.dtype in dtypes
         and m.weight.device.type == "cpu"
     ]
     for name, module in targets:

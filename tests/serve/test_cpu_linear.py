@@ -31,6 +31,13 @@ def test_packed_linear_matches_f_linear(bias: bool, shape: tuple[int, ...]) -> N
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+BF16_PACKS = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="this CPU has no AVX-512 BW/VL/DQ or AVX-NE-CONVERT: oneDNN cannot pack bfloat16",
+)
+
+
+@BF16_PACKS
 def test_packed_bfloat16_linear_matches_f_linear() -> None:
     torch.manual_seed(0)
     linear = nn.Linear(64, 96).bfloat16()
@@ -47,9 +54,23 @@ def test_only_plain_float32_and_bfloat16_linears_are_replaced() -> None:
     model = nn.Sequential(
         nn.Linear(8, 8), nn.Linear(8, 8).bfloat16(), nn.Linear(8, 8).half(), Custom(8, 8)
     )
-    assert prepack_linears(model) == 2
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert prepack_linears(model) == (2 if bf16 else 1)
     names = [type(m).__name__ for m in model]
-    assert names == ["PackedLinear", "PackedLinear", "Linear", "Custom"]
+    assert names == ["PackedLinear", "PackedLinear" if bf16 else "Linear", "Linear", "Custom"]
+
+
+def test_bfloat16_models_are_not_prepacked_where_the_cpu_cannot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: on an AVX2-only CPU the bf16 reorder raised inside the engine's load."""
+    from serve.model import cpu_linear
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert not cpu_linear.can_prepack(torch.device("cpu"), torch.bfloat16)
+    assert cpu_linear.can_prepack(torch.device("cpu"), torch.float32)
+    model = nn.Sequential(nn.Linear(8, 8).bfloat16())
+    assert prepack_linears(model) == 0
 
 
 def test_engine_prepacks_by_default_with_the_same_greedy_tokens(
