@@ -25,7 +25,7 @@ from compress.calibration import (
     calibration_rows,
     run_layerwise,
 )
-from compress.data import NO_DATA, check_data
+from compress.data import check_data_in_context
 from compress.gptq import GPTQSettings, Hessian, check_settings, gptq
 from compress.grids import hqq, rtn
 from compress.packed import INT4_GROUP_SIZES, PackedFormat, Quantized
@@ -39,12 +39,7 @@ class CheckedCalibration(CalibrationParams):
     @field_validator("data")
     @classmethod
     def _data_exists(cls, value: str, info: ValidationInfo) -> str:
-        from pathlib import Path
-
-        context = info.context or {}
-        return check_data(
-            value, context.get("recipe_dir", Path.cwd()), context.get("data", NO_DATA)
-        )
+        return check_data_in_context(value, info.context)
 
 
 class PackedParams(StepParams):

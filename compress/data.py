@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -41,6 +42,13 @@ def check_data(value: str, base_dir: Path, named: DataCatalog = NO_DATA) -> str:
     if not path.read_text(errors="replace").strip():
         raise ValueError(f"found {value!r}: the file {path} is empty; give it some text")
     return str(path)
+
+
+def check_data_in_context(value: str, context: dict[str, Any] | None) -> str:
+    """`check_data` for a params validator: the recipe dir and the catalog come from pydantic's
+    validation context (`recipe_dir`, `data`), as the recipe loader passes them."""
+    context = context or {}
+    return check_data(value, context.get("recipe_dir", Path.cwd()), context.get("data", NO_DATA))
 
 
 def data_files(value: str, named: DataCatalog = NO_DATA) -> dict[str, Path]:

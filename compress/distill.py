@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -20,7 +19,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from transformers import PretrainedConfig, PreTrainedModel
 
 from compress.artifact import Artifact, copy_side_files
-from compress.data import NO_DATA, check_data, load_texts, perplexity, token_rows
+from compress.data import check_data_in_context, load_texts, perplexity, token_rows
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.training import TrainConfig, train
 
@@ -50,10 +49,7 @@ class DistillParams(StepParams):
     @field_validator("data")
     @classmethod
     def _data_exists(cls, value: str, info: ValidationInfo) -> str:
-        context = info.context or {}
-        return check_data(
-            value, context.get("recipe_dir", Path.cwd()), context.get("data", NO_DATA)
-        )
+        return check_data_in_context(value, info.context)
 
     @model_validator(mode="after")
     def _shape(self) -> DistillParams:

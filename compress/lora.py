@@ -16,7 +16,7 @@ import torch
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from compress.artifact import Artifact, copy_side_files
-from compress.data import NO_DATA, DataCatalog, check_data, load_texts, token_rows
+from compress.data import NO_DATA, DataCatalog, check_data_in_context, load_texts, token_rows
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.targets import as_peft_regex, select
 from compress.training import TrainConfig, train
@@ -53,14 +53,7 @@ class LoraParams(StepParams):
     @field_validator("data", "replay_data")
     @classmethod
     def _data_exists(cls, value: str | None, info: ValidationInfo) -> str | None:
-        from pathlib import Path
-
-        if value is None:
-            return None
-        context = info.context or {}
-        return check_data(
-            value, context.get("recipe_dir", Path.cwd()), context.get("data", NO_DATA)
-        )
+        return None if value is None else check_data_in_context(value, info.context)
 
     @model_validator(mode="after")
     def _replay_pair(self) -> LoraParams:

@@ -8,13 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from catalog.names import named_model_dir
-from serve import LLMEngine, SamplingParams
-from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from tests.serve.conftest import PAGED_CPU
+from tests.workbench.greedy_check import generate_each, run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -48,36 +46,7 @@ def prompts(gemma: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(gemma: Path, prompts: list[list[int]]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(gemma, dtype=torch.float32).eval()
-    outs = []
-    with torch.inference_mode():
-        for prompt, n in zip(prompts, MAX_TOKENS, strict=True):
-            ids = torch.tensor([prompt])
-            gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False
-            )
-            outs.append(gen[0, ids.shape[1] :].tolist())
-    return outs
-
-
-def run_engine(
-    model_dir: Path, prompts: list[list[int]], backend: str, num_blocks: int
-) -> tuple[list[list[int]], int]:
-    engine = LLMEngine(
-        ModelConfig(str(model_dir), dtype="float32", device="cpu", attention_backend=backend),
-        CacheConfig(block_size=16, num_blocks=num_blocks),
-        SchedulerConfig(max_num_batched_tokens=384, max_model_len=2048),
-    )
-    for i, (prompt, n) in enumerate(zip(prompts, MAX_TOKENS, strict=True)):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0))
-    outputs: dict[int, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[int(out.request_id)] = out.token_ids
-        engine.scheduler.pool.check_integrity()
-    assert engine.scheduler.pool.num_free_blocks == engine.scheduler.pool.num_blocks
-    return [outputs[i] for i in range(len(prompts))], engine.stats().num_preemptions
+    return generate_each(gemma, prompts, MAX_TOKENS)
 
 
 def test_gemma3_greedy_continuation(gemma: Path, reference: list[list[int]]) -> None:
@@ -89,7 +58,7 @@ def test_gemma3_greedy_continuation(gemma: Path, reference: list[list[int]]) -> 
 def test_gemma3_engine_equals_generate_past_the_sliding_window(
     backend: str, gemma: Path, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
-    outputs, _ = run_engine(gemma, prompts, backend, num_blocks=256)
+    outputs, _ = run_engine(gemma, prompts, MAX_TOKENS, 256, backend, budget=384)
     assert outputs == reference
 
 
@@ -97,6 +66,30 @@ def test_gemma3_engine_equals_generate_under_forced_preemption(
     gemma: Path, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
     # 84 blocks of 16 hold the longest request (82 blocks) alone, not all four: preemption is forced
-    outputs, preemptions = run_engine(gemma, prompts, "auto", num_blocks=84)
+    outputs, preemptions = run_engine(gemma, prompts, MAX_TOKENS, 84, budget=384)
     assert preemptions >= 1
     assert outputs == reference
+
+
+def test_gemma3_packed_int4_with_int8_embeddings_equals_generate(
+    gemma: Path, prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """The real model's packed variant (int4 linears, int8 embedding rows shared by the tied
+    head): generate and the engine run the same modules and agree token for token."""
+    from compress.load_spec import load_model
+    from compress.packed import PackedEmbedding8, PackedLinear4
+    from workbench.pipeline import Pipeline
+    from workbench.recipe import load_recipe
+
+    (tmp_path / "r.yaml").write_text(
+        "name: g\nbase: gemma3-270m\nvariants:\n"
+        "  - {name: q, steps: [{quantize: {method: rtn, group_size: 128, embeddings: int8}}]}\n"
+    )
+    recipe, ref = load_recipe(tmp_path / "r.yaml")
+    (variant,) = Pipeline(recipe, ref, tmp_path / "work").run()
+    model = load_model(variant.path)
+    assert isinstance(model.get_input_embeddings(), PackedEmbedding8)
+    assert isinstance(model.model.layers[5].self_attn.o_proj, PackedLinear4)
+    expected = generate_each(variant.path, prompts[:3], MAX_TOKENS[:3])
+    outputs, _ = run_engine(variant.path, prompts[:3], MAX_TOKENS[:3], 128, budget=384)
+    assert outputs == expected

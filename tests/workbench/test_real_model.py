@@ -14,14 +14,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from serve import LLMEngine, SamplingParams
-from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.http.chat import chat_job
 from serve.http.protocol import ChatCompletionRequest
 from tests.serve.server_util import start_thread_server
+from tests.workbench.greedy_check import generate_each, run_engine
 from workbench.base_model import named_model_dir
 
 pytestmark = pytest.mark.slow
@@ -88,42 +86,14 @@ MAX_TOKENS = [24 + (7 * i) % 25 for i in range(16)]
 
 @pytest.fixture(scope="module")
 def reference(smollm2: Path, prompts: list[list[int]]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    outs = []
-    with torch.inference_mode():
-        for prompt, n in zip(prompts, MAX_TOKENS, strict=True):
-            ids = torch.tensor([prompt])
-            gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False
-            )
-            outs.append(gen[0, ids.shape[1] :].tolist())
-    return outs
-
-
-def run_engine(model_dir: Path, prompts: list[list[int]], num_blocks: int) -> tuple[list, int]:
-    engine = LLMEngine(
-        ModelConfig(str(model_dir), dtype="float32", device="cpu"),
-        CacheConfig(block_size=16, num_blocks=num_blocks),
-        SchedulerConfig(max_num_batched_tokens=512, max_model_len=2048),
-    )
-    for i, (prompt, n) in enumerate(zip(prompts, MAX_TOKENS, strict=True)):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0))
-    outputs: dict[int, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[int(out.request_id)] = out.token_ids
-        engine.scheduler.pool.check_integrity()
-    pool = engine.scheduler.pool
-    assert pool.num_free_blocks == pool.num_blocks
-    return [outputs[i] for i in range(len(prompts))], engine.stats().num_preemptions
+    return generate_each(smollm2, prompts, MAX_TOKENS)
 
 
 def test_smollm2_engine_equals_generate_on_16_chat_prompts(
     smollm2: Path, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
     assert len(prompts) == 16 and max(map(len, prompts)) > 400 and min(map(len, prompts)) < 40
-    outputs, preemptions = run_engine(smollm2, prompts, num_blocks=512)
+    outputs, preemptions = run_engine(smollm2, prompts, MAX_TOKENS, num_blocks=512)
     assert preemptions == 0
     assert outputs == reference
 
@@ -133,7 +103,7 @@ def test_smollm2_engine_equals_generate_under_forced_preemption(
 ) -> None:
     # 34 blocks of 16 = 544 tokens: the longest request (~480 tokens) fits alone, the 16
     # together (~2,000) do not
-    outputs, preemptions = run_engine(smollm2, prompts, num_blocks=34)
+    outputs, preemptions = run_engine(smollm2, prompts, MAX_TOKENS, num_blocks=34)
     assert preemptions >= 3
     assert outputs == reference
 
