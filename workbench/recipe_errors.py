@@ -22,13 +22,30 @@ class RecipeError(Exception):
         super().__init__("\n".join(f"{path}: {p}" for p in problems))
 
 
-def _field_path(loc: tuple[int | str, ...]) -> str:
+def _method_tags(model: type[BaseModel]) -> tuple[str, ...]:
+    """The `method` values that select `model` in a step's tagged union of params."""
+    field = model.model_fields.get("method")
+    return typing.get_args(field.annotation) if field is not None else ()
+
+
+def _tags() -> set[str]:
+    from compress import STEPS
+
+    return {t for cls in STEPS.values() for m in _models_in(cls.Params) for t in _method_tags(m)}
+
+
+def _is_tag(loc: tuple[int | str, ...], i: int, tags: set[str]) -> bool:
+    """pydantic names the member of a params union (`gptq`) after the repeated step key."""
+    return i >= 2 and loc[i - 1] == loc[i - 2] and loc[i] in tags
+
+
+def _field_path(loc: tuple[int | str, ...], tags: set[str] = frozenset()) -> str:  # type: ignore[assignment]
     out = ""
     previous: int | str | None = None
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part != previous:  # a step's union tag repeats its key: print it once
+        elif part != previous and not _is_tag(loc, i, tags):  # a step's key repeats: once
             out += f".{part}" if out else part
         previous = part
     return out or "(top level)"
@@ -46,8 +63,12 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
 def _model_at(root: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
     """The model class whose instance sits at `loc`, following fields, lists and unions."""
     candidates: list[type[BaseModel]] = [root]
+    tags = _tags()
     for i, part in enumerate(loc):
         if isinstance(part, int) or (i and loc[i - 1] == part):  # a step's tag repeats its key
+            continue
+        if _is_tag(loc, i, tags):  # the member of a params union that `method` selects
+            candidates = [c for c in candidates if part in _method_tags(c)]
             continue
         nxt = [
             m
@@ -82,6 +103,13 @@ def _describe(error: ErrorDetails, root: type[BaseModel]) -> str:
         if isinstance(value, dict) and len(value) == 1:
             return f"unknown step {next(iter(value))!r}; allowed steps: {names}"
         return f"found {_found(value)}; a step is a mapping with exactly one key, one of: {names}"
+    if kind == "union_tag_invalid":
+        ctx = error.get("ctx", {})
+        return f"found {ctx.get('tag')!r}; allowed: {ctx.get('expected_tags')}"
+    if kind == "union_tag_not_found":
+        return (
+            f"missing required key {error.get('ctx', {}).get('discriminator', '').strip(chr(39))!r}"
+        )
     message = error["msg"]
     if message.startswith("Value error, "):
         return message.removeprefix("Value error, ")
@@ -89,5 +117,13 @@ def _describe(error: ErrorDetails, root: type[BaseModel]) -> str:
     return f"found {_found(value)}; allowed: {allowed}"
 
 
+def _path(error: ErrorDetails, tags: set[str]) -> str:
+    path = _field_path(error["loc"], tags)
+    if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        return f"{path}.{error.get('ctx', {}).get('discriminator', '').strip(chr(39))}"
+    return path
+
+
 def format_validation_error(error: ValidationError, root: type[BaseModel]) -> list[str]:
-    return [f"{_field_path(e['loc'])}: {_describe(e, root)}" for e in error.errors()]
+    tags = _tags()
+    return [f"{_path(e, tags)}: {_describe(e, root)}" for e in error.errors()]

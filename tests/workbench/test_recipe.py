@@ -92,7 +92,25 @@ BAD = {
     "unknown quantize method": (
         "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{quantize: {method: int3}}]}]\n",
         "variants[0].steps[0].quantize.method",
-        ["found 'int3'", "'bnb-int8', 'bnb-nf4', 'bnb-fp4', 'int8-wo' or 'int4-wo'"],
+        [
+            "found 'int3'",
+            "'bnb-int8', 'bnb-nf4', 'bnb-fp4', 'int8-wo', 'int4-wo', 'rtn', 'hqq', 'gptq', 'awq', 'mixed'",
+        ],
+    ),
+    "quantize method missing": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{quantize: {bits: 4}}]}]\n",
+        "variants[0].steps[0].quantize.method",
+        ["missing required key 'method'"],
+    ),
+    "unknown key of a packed method": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{quantize: {method: gptq, bogus: 1}}]}]\n",
+        "variants[0].steps[0].quantize.bogus",
+        ["unknown key 'bogus'", "damp, act_order, static_groups"],
+    ),
+    "mixed budget size unit": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{quantize: {method: mixed, budget: {size: 1 megs}}}]}]\n",
+        "variants[0].steps[0].quantize.budget.size",
+        ["found '1 megs'", "150MB"],
     ),
     "lora rank zero": (
         "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{lora: {rank: 0}}]}]\n",
