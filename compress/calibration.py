@@ -22,7 +22,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from compress.data import DataCatalog, data_files, load_texts, token_rows
+from compress.data import DataCatalog, load_texts, token_rows
 from compress.registry import StepParams
 
 Batch = tuple[torch.Tensor, dict[str, Any]]
@@ -52,18 +52,10 @@ class Calibration:
 
 
 def calibration_rows(
-    tokenizer: Any,
-    params: CalibrationParams,
-    catalog: DataCatalog,
-    seed: int,
-    held_out: bool = False,
+    tokenizer: Any, params: CalibrationParams, catalog: DataCatalog, seed: int
 ) -> Calibration:
-    """Seeded windows of the train split; `held_out`: of the validation split where the data
-    has one (a named data set), else of the train split."""
-    split = (
-        "validation" if held_out and "validation" in data_files(params.data, catalog) else "train"
-    )
-    rows = token_rows(tokenizer, load_texts(params.data, split, catalog), params.seq_len)
+    """Seeded windows of the data's train split (evals read the validation split)."""
+    rows = token_rows(tokenizer, load_texts(params.data, "train", catalog), params.seq_len)
     if len(rows) < params.samples:
         raise ValueError(
             f"calibration data {params.data!r} holds {len(rows)} windows of {params.seq_len} "

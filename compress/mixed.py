@@ -76,7 +76,8 @@ class MixedParams(StepParams):
     scan: CheckedCalibration = Field(
         default_factory=lambda: CheckedCalibration(samples=4, seq_len=128, batch_size=4)
     )
-    """Held-out windows the sensitivity scan and the measured KL use."""
+    """Windows the sensitivity scan and the measured KL use (the data's train split, drawn
+    apart from the calibration windows; evals read the validation split)."""
     calibration: CheckedCalibration = Field(default_factory=lambda: CheckedCalibration())
     """GPTQ's calibration windows (quantizer: gptq)."""
 
@@ -183,7 +184,9 @@ def quantize_mixed(
     modules = dict(model.named_modules())
     columns = {n: tuple(modules[n].weight.shape) for n in planned}
     try:
-        windows = calibration_rows(tokenizer, params.scan, ctx.data, ctx.seed, held_out=True)
+        # NOTE: train-split windows (seeded apart from calibration's): the report measures
+        # divergence on the validation split, which the plan must not be chosen on
+        windows = calibration_rows(tokenizer, params.scan, ctx.data, ctx.seed + 1)
     except ValueError as e:
         raise StepError(f"scan: {e}") from None
     candidates = [PackedFormat.parse(c) for c in params.candidates if c != KEEP]

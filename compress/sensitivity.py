@@ -2,7 +2,7 @@
 is quantized to a candidate format.
 
 Model: a part is one decoder layer's linears of one kind: `attn_in` (q/k/v), `attn_out` (o),
-`mlp_in` (gate/up), `mlp_out` (down). On held-out windows the float model's next-token log
+`mlp_in` (gate/up), `mlp_out` (down). On the scan's windows the float model's next-token log
 probabilities and every layer's inputs are computed once; then for each part and candidate the
 part's weights are replaced by their quantized values, the model is run from that layer up
 (the layers below are unchanged, so their outputs are reused), and the mean KL(float || quantized)
