@@ -103,3 +103,18 @@ def test_hqq_equals_the_reference_library(weight: torch.Tensor) -> None:
         assert float((reference - weight).abs().mean()) < float(
             (rtn(weight, fmt).dequantize() - weight).abs().mean()
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_modules_on_cuda_dequantize_per_call(weight: torch.Tensor) -> None:
+    """Off the CPU the packed layers dequantize in the model's dtype (correct, not fast)."""
+    x = torch.randn(4, 256)
+    for cls, fmt in ((PackedLinear4, PackedFormat(4, 64)), (PackedLinear8, PackedFormat(8, None))):
+        qw = rtn(weight, fmt)
+        on_gpu = type(qw)(qw.q.cuda(), qw.scales.cuda(), qw.zeros.cuda())
+        module = cls(on_gpu, None, torch.float32)
+        assert not module.kernel
+        torch.testing.assert_close(
+            module(x.cuda()).cpu(), x @ qw.dequantize().t(), rtol=1e-4, atol=1e-3
+        )
