@@ -160,18 +160,29 @@ def search_clip(
     return best_max
 
 
-def _sample_tokens(batches: list[Batch], name: str, layer: nn.Module, tokens: int) -> torch.Tensor:
-    """`tokens` rows (evenly spaced) of the input the linear `name` sees on these batches."""
-    seen: list[torch.Tensor] = []
-    handle = layer.get_submodule(name).register_forward_pre_hook(
-        lambda _m, args: seen.append(args[0].reshape(-1, args[0].shape[-1]))
-    )
+def _capture(
+    layer: nn.Module, batches: list[Batch], names: list[str]
+) -> dict[str, list[torch.Tensor]]:
+    """What each named linear receives on each batch, in one pass over the layer."""
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    handles = [
+        layer.get_submodule(n).register_forward_pre_hook(
+            lambda _m, args, out=seen[n]: out.append(args[0])
+        )
+        for n in names
+    ]
     try:
         for x, kw in batches:
             layer(x, **kw)
     finally:
-        handle.remove()
-    flat = torch.cat(seen)
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _sample_tokens(inputs: list[torch.Tensor], tokens: int) -> torch.Tensor:
+    """`tokens` rows (evenly spaced) of a linear's inputs."""
+    flat = torch.cat([x.reshape(-1, x.shape[-1]) for x in inputs])
     step = max(1, len(flat) // tokens)
     return flat[::step][:tokens].float()
 
@@ -183,32 +194,29 @@ def apply_awq(
     """Scale and clip one decoder layer in place (its float function unchanged by the scales);
     returns what was chosen, for the manifest."""
     record: dict[str, Any] = {}
-    for group in scale_groups(layer):
-        inputs = _group_inputs(layer, group, _limit(batches, cfg.search_tokens))
+    batches = _limit(batches, cfg.search_tokens)
+    groups = scale_groups(layer)
+    # NOTE: one pass serves every group: a group's scales change only its own linears' inputs
+    captured = _capture(layer, batches, [g.linears[0] for g in groups])
+    for group in groups:
+        inputs = [(x, kw) for x, (_, kw) in zip(captured[group.linears[0]], batches)]
         scales = search_scales(layer, group, inputs, fmt, cfg)
         fold_inverse_scale(layer.get_submodule(group.prev), scales)
         for name in group.linears:
             _weight(layer.get_submodule(name)).mul_(scales)
         record[group.inspect] = float(scales.max() / scales.min())
     if cfg.clip:
-        for name, module in layer.named_modules():
-            if isinstance(module, nn.Linear) and not name.endswith(("q_proj", "k_proj")):
-                x = _sample_tokens(_limit(batches, cfg.search_tokens), name, layer, cfg.clip_tokens)
-                bound = search_clip(module.weight, x, fmt, cfg)
-                size = fmt.group_size or module.weight.shape[1]
-                w = module.weight.reshape(module.weight.shape[0], 1, -1, size)
-                module.weight.copy_(torch.clamp(w, -bound, bound).reshape(module.weight.shape))
+        clipped = [
+            n
+            for n, m in layer.named_modules()
+            if isinstance(m, nn.Linear) and not n.endswith(("q_proj", "k_proj"))
+        ]
+        scaled_inputs = _capture(layer, batches, clipped)  # after scaling: what they now see
+        for name in clipped:
+            module = layer.get_submodule(name)
+            x = _sample_tokens(scaled_inputs[name], cfg.clip_tokens)
+            bound = search_clip(_weight(module), x, fmt, cfg)
+            weight = _weight(module)
+            w = weight.reshape(weight.shape[0], 1, -1, fmt.group_size or weight.shape[1])
+            weight.copy_(torch.clamp(w, -bound, bound).reshape(weight.shape))
     return record
-
-
-def _group_inputs(layer: nn.Module, group: ScaleGroup, batches: list[Batch]) -> list[Batch]:
-    """What the group's inspected module receives on each batch, with the layer's kwargs."""
-    first = layer.get_submodule(group.linears[0])
-    captured: list[torch.Tensor] = []
-    handle = first.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
-    try:
-        for x, kw in batches:
-            layer(x, **kw)
-    finally:
-        handle.remove()
-    return [(c, kw) for c, (_, kw) in zip(captured, batches)]
