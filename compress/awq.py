@@ -138,26 +138,27 @@ def search_scales(
 def search_clip(
     weight: torch.Tensor, x: torch.Tensor, fmt: PackedFormat, cfg: AWQSettings
 ) -> torch.Tensor:
-    """Per output row and group, the |w| bound that minimises the group's output error on `x`."""
+    """Per output row and group, the |w| bound that minimises the group's output error on `x`
+    ([rows, 1, groups, 1], as AutoAWQ's `_search_best_clip`)."""
     size = fmt.group_size or weight.shape[1]
-    out_features = weight.shape[0]
-    x = x.reshape(1, x.shape[0], -1, size)
-    best_max = torch.empty(out_features, 1, x.shape[2], 1)
-    for start in range(0, out_features, 64):
-        w = weight[start : start + 64].float().reshape(-1, 1, x.shape[2], size)
-        original = w.abs().amax(dim=-1, keepdim=True)
-        reference = (x * w).sum(-1)
-        errors = torch.full_like(original, float("inf"))
-        chosen = original.clone()
-        for i in range(int(cfg.max_shrink * cfg.grid)):
-            bound = original * (1 - i / cfg.grid)
-            clipped = torch.clamp(w, -bound, bound).reshape(w.shape[0], -1)
-            q = rtn(clipped, fmt).dequantize().reshape(w.shape)
-            err = ((x * q).sum(-1) - reference).pow(2).mean(dim=1).reshape(errors.shape)
-            better = err < errors
-            errors, chosen = torch.where(better, err, errors), torch.where(better, bound, chosen)
-        best_max[start : start + 64] = chosen
-    return best_max
+    x = x.reshape(x.shape[0], -1, size)  # [tokens, groups, size]
+    w = weight.float().reshape(weight.shape[0], 1, x.shape[1], size)
+    original = w.abs().amax(dim=-1, keepdim=True)
+
+    def group_outputs(v: torch.Tensor) -> torch.Tensor:  # [rows, tokens, groups]
+        return torch.einsum("tgs,ogs->otg", x, v[:, 0])
+
+    reference = group_outputs(w)
+    errors = torch.full_like(original, float("inf"))
+    chosen = original.clone()
+    for i in range(int(cfg.max_shrink * cfg.grid)):
+        bound = original * (1 - i / cfg.grid)
+        clipped = torch.clamp(w, -bound, bound).reshape(weight.shape)
+        q = rtn(clipped, fmt).dequantize().reshape(w.shape)
+        err = (group_outputs(q) - reference).pow(2).mean(dim=1).reshape(errors.shape)
+        better = err < errors
+        errors, chosen = torch.where(better, err, errors), torch.where(better, bound, chosen)
+    return chosen
 
 
 def _capture(
