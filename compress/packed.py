@@ -13,8 +13,9 @@ fitted one) alike.
 - NOTE: on the CPU both compute in bfloat16 (activations cast in, the output cast back, scales
   rounded to bfloat16), whatever the model's dtype: torch's float32 paths of these kernels
   are not vectorised (measured: 40x slower than bfloat16 at 2,048 rows). torchao's int4 CPU
-  tensor (the `int4-wo` method) does the same. The engine and `generate` run the same modules,
-  so their outputs stay token-exact.
+  tensor (the `int4-wo` method) does the same. The engine and `generate` run the same modules;
+  the tests' models stay token-exact, but the kernels' bf16 rounding can depend on how many rows
+  a call has, so a near tie on a real model can flip (seen once on Gemma 3: an xfail test).
 - On other devices both dequantize per call in the model's dtype (correct, not fast).
 - An embedding may be int8 per row (a table lookup dequantizes the rows it reads); a tied
   `lm_head` then reads the same codes through the int8 kernel.
