@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.calibration import Batch
+from compress.calibration import Batch, run_with_input_hooks
 from compress.grids import rtn
 from compress.packed import PackedFormat
 
@@ -166,18 +166,7 @@ def _capture(
 ) -> dict[str, list[torch.Tensor]]:
     """What each named linear receives on each batch, in one pass over the layer."""
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    handles = [
-        layer.get_submodule(n).register_forward_pre_hook(
-            lambda _m, args, out=seen[n]: out.append(args[0])
-        )
-        for n in names
-    ]
-    try:
-        for x, kw in batches:
-            layer(x, **kw)
-    finally:
-        for h in handles:
-            h.remove()
+    run_with_input_hooks(layer, batches, {n: seen[n].append for n in names})
     return seen
 
 

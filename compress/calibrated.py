@@ -23,7 +23,9 @@ from compress.calibration import (
     Calibration,
     CalibrationParams,
     calibration_rows,
+    layer_prefix,
     run_layerwise,
+    run_with_input_hooks,
 )
 from compress.data import check_data_in_context
 from compress.gptq import GPTQSettings, Hessian, check_settings, gptq
@@ -182,10 +184,6 @@ def quantize_packed(
     return PackedModel(model, modules, embeddings), info
 
 
-def _layer_prefix(model: nn.Module, layer: nn.Module) -> str:
-    return next(n for n, m in model.named_modules() if m is layer)
-
-
 def _awq(model: Any, calibration: Calibration, params: AWQParams, progress: Any) -> dict[str, Any]:
     cfg = AWQSettings(grid=params.grid, clip=params.clip)
     ratios: dict[str, Any] = {}
@@ -210,23 +208,14 @@ def gptq_layerwise(
     modules: dict[str, tuple[PackedFormat, Quantized]] = {}
 
     def visit(index: int, layer: nn.Module, batches: list[Batch]) -> None:
-        prefix = _layer_prefix(model, layer)
+        prefix = layer_prefix(model, layer)
         linears = {
             n: m
             for n, m in layer.named_modules()
             if isinstance(m, nn.Linear) and f"{prefix}.{n}" in formats
         }
         hessians = {n: Hessian(m.in_features) for n, m in linears.items()}
-        handles = [
-            m.register_forward_pre_hook(lambda _m, args, h=hessians[n]: h.add(args[0]))
-            for n, m in linears.items()
-        ]
-        try:
-            for x, kw in batches:
-                layer(x, **kw)
-        finally:
-            for h in handles:
-                h.remove()
+        run_with_input_hooks(layer, batches, {n: h.add for n, h in hessians.items()})
         for n, m in linears.items():
             fmt = formats[f"{prefix}.{n}"]
             qw = gptq(m.weight, hessians[n].h, fmt, settings)

@@ -114,10 +114,29 @@ def record_inputs(model: nn.Module, rows: torch.Tensor, batch_size: int) -> list
     return recorded
 
 
-@torch.no_grad()
-def run_layerwise(
-    model: nn.Module, rows: torch.Tensor, batch_size: int, visit: Visit, progress: Any = None
+def layer_prefix(model: nn.Module, layer: nn.Module) -> str:
+    """The module name of `layer` inside `model` (`model.layers.3`)."""
+    return next(n for n, m in model.named_modules() if m is layer)
+
+
+def run_with_input_hooks(
+    layer: nn.Module, batches: list[Batch], hooks: dict[str, Callable[[torch.Tensor], None]]
 ) -> None:
+    """Run `layer` on every batch, giving each named submodule's input to its hook."""
+    handles = [
+        layer.get_submodule(name).register_forward_pre_hook(lambda _m, args, f=f: f(args[0]))
+        for name, f in hooks.items()
+    ]
+    try:
+        for x, kw in batches:
+            layer(x, **kw)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def run_layerwise(model: nn.Module, rows: torch.Tensor, batch_size: int, visit: Visit) -> None:
     """Visit every decoder layer with its calibration inputs (see the module doc)."""
     recorded = record_inputs(model, rows, batch_size)
     inputs = [hidden for hidden, _ in recorded[0]]
@@ -125,5 +144,3 @@ def run_layerwise(
         batches = [(x, kw) for x, (_, kw) in zip(inputs, recorded[index])]
         visit(index, layer, batches)
         inputs = [_layer_output(layer, b) for b in batches]
-        if progress is not None:
-            progress(index)

@@ -11,7 +11,6 @@ per token is recorded. The scan is what a mixed-precision plan minimises the sum
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.calibration import Batch, _layer_output, decoder_layers, record_inputs
+from compress.calibration import Batch, _layer_output, decoder_layers, layer_prefix, record_inputs
 from compress.packed import PackedFormat, Quantized
 
 PART_KINDS = {
@@ -51,7 +50,7 @@ def parts_of(model: nn.Module, chosen: set[str]) -> list[Part]:
     found: list[Part] = []
     modules = dict(model.named_modules())
     for index, layer in enumerate(decoder_layers(model)):
-        prefix = next(n for n, m in model.named_modules() if m is layer)
+        prefix = layer_prefix(model, layer)
         for kind, leaves in PART_KINDS.items():
             names = tuple(
                 n for n in chosen if n.startswith(prefix + ".") and n.rsplit(".", 1)[-1] in leaves
@@ -128,12 +127,3 @@ def scan(
         for n in part.linears:
             modules[n].weight.copy_(originals[n])
     return result, reference, inputs
-
-
-def part_sort_key(name: str) -> tuple[int, int]:
-    layer, kind = name.split(".")
-    return int(layer), list(PART_KINDS).index(kind)
-
-
-def is_part_name(name: str) -> bool:
-    return re.fullmatch(r"\d+\.(attn_in|attn_out|mlp_in|mlp_out)", name) is not None
