@@ -76,8 +76,10 @@ def rtn(w: torch.Tensor, fmt: PackedFormat, sym: bool = False) -> Quantized:
 
 def hqq(w: torch.Tensor, fmt: PackedFormat) -> Quantized:
     """Half-quadratic quantization (calibration-free), by the reference `hqq` library: its
-    proximal solver fits a float zero point (rounded first for 4-bit, as HQQ's own configs do)
-    and a scale per group, minimising the l_0.7 error of the weights."""
+    proximal solver fits a float zero point and a scale per group, minimising the l_0.7 error of
+    the weights. The solver starts from the unrounded zero point (HQQ's own 4-bit configs round
+    it first, which only moves the start: the solved zero point is a float either way); on
+    Gemma 3 270M that gave 6% lower KL than the rounded start."""
     from hqq.core.quantize import Quantizer
 
     rows, cols = w.shape
@@ -87,7 +89,7 @@ def hqq(w: torch.Tensor, fmt: PackedFormat) -> Quantized:
         nbits=fmt.bits,
         group_size=group,
         optimize=True,
-        round_zero=fmt.bits == 4,
+        round_zero=False,
         axis=1,
         compute_dtype=torch.float32,
         device=str(w.device),
