@@ -89,7 +89,9 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a mapping)
 
 
-def _take(state: dict[str, torch.Tensor], name: str, bits: int, device: torch.device) -> Quantized:
+def take_quantized(
+    state: dict[str, torch.Tensor], name: str, bits: int, device: torch.device
+) -> Quantized:
     try:
         q, scales, zeros = (state.pop(f"{name}.{s}") for s in SUFFIXES)
     except KeyError as e:
@@ -110,13 +112,13 @@ def load_packed(
     for name, fmt_name in spec.module_formats.items():
         fmt = PackedFormat.parse(fmt_name)
         old = model.get_submodule(name)
-        qw = _take(state, name, fmt.bits, device)
+        qw = take_quantized(state, name, fmt.bits, device)
         bias = state.pop(f"{name}.bias", None)
         _replace(model, name, packed_module(fmt, qw, bias, dtype))
         del old
     int8_embeddings = spec.params.get("embeddings") == "int8"
     embed_name = _embedding_name(model)
-    embedding = _take(state, embed_name, 8, device) if int8_embeddings else None
+    embedding = take_quantized(state, embed_name, 8, device) if int8_embeddings else None
     missing, unexpected = model.load_state_dict(state, strict=False)
     allowed = {f"{embed_name}.weight"} if int8_embeddings else set()
     missing = [k for k in missing if k not in allowed and not _is_tied_head(model, k)]

@@ -1,5 +1,5 @@
 """The `workbench` command line: validate and run recipes (variants, evals, report), serve,
-benchmark, compare runs on the dashboard, build the demo model."""
+benchmark, export a variant, compare runs on the dashboard, build the demo model."""
 
 from __future__ import annotations
 
@@ -168,6 +168,26 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from compress.export import ExportError, export
+
+    source = Path(args.variant)
+    out_dir = (
+        Path(args.out)
+        if args.out
+        else source.parent.parent / "exports" / (f"{source.name}-{args.format}")
+    )
+    try:
+        info = export(source, args.format, out_dir)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out.print(f"{source} -> {info['path']} ({args.format}, {_size(info['bytes'])})")
+    for scheme, modules in info["schemes"].items():
+        out.print(f"  {scheme} (pack-quantized): {len(modules)} module(s)")
+    return 0
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from evals.engine_bench import main as bench_main
 
@@ -216,6 +236,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench_engine)
+    p = sub.add_parser(
+        "export", help="write a variant in a format other engines load (hf, compressed-tensors)"
+    )
+    p.add_argument("variant", help="a variant dir, e.g. runs/<recipe>/variants/<name>")
+    p.add_argument(
+        "--format",
+        required=True,
+        help="hf (dense float weights) or compressed-tensors (pack-quantized: transformers, vLLM)",
+    )
+    p.add_argument(
+        "--out", help="the dir to write (default: runs/<recipe>/exports/<name>-<format>)"
+    )
+    p.set_defaults(func=cmd_export)
     p = sub.add_parser("dashboard", help="serve a page comparing the runs and variants in reports/")
     p.add_argument("reports", nargs="?", default="reports", help="reports dir (default reports/)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

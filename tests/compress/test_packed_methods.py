@@ -15,36 +15,10 @@ import torch
 from compress.load_spec import PACKED, load_model, read_load_spec
 from compress.packed import PackedEmbedding8, PackedLinear4, PackedLinear8
 from evals.artifact_eval import memory_bytes
-from tests.serve.conftest import make_cases, make_model, reference_outputs
+from tests.serve.conftest import make_cases, reference_outputs
 from tests.serve.test_engine_exact import assert_equal, make_engine, run
 from workbench.pipeline import Pipeline, PipelineError
 from workbench.recipe import RecipeError, load_recipe
-
-CAL = "calibration: {samples: 16, seq_len: 64}"
-VARIANTS = f"""\
-variants:
-  - {{name: base, steps: []}}
-  - {{name: rtn, steps: [{{quantize: {{method: rtn, group_size: 32}}}}]}}
-  - {{name: hqq, steps: [{{quantize: {{method: hqq, group_size: 64}}}}]}}
-  - {{name: gptq, steps: [{{quantize: {{method: gptq, group_size: 32, {CAL}}}}}]}}
-  - {{name: gptq8, steps: [{{quantize: {{method: gptq, bits: 8, group_size: null, act_order: true, embeddings: int8, {CAL}}}}}]}}
-  - {{name: awq, steps: [{{quantize: {{method: awq, group_size: 32, {CAL}}}}}]}}
-  - name: mixed
-    steps: [{{quantize: {{method: mixed, budget: {{bits_per_weight: 6.0}}, candidates: [int4-g32, int4-g64, int8], quantizer: gptq, scan: {{samples: 4, seq_len: 64}}, {CAL}}}}}]
-"""
-
-
-@pytest.fixture(scope="module", params=["demo-tiny", "gemma3"])
-def built(
-    request: pytest.FixtureRequest, tmp_path_factory, tiny_model_dir: Path
-) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp(request.param)
-    base = "demo-tiny"
-    if request.param == "gemma3":
-        base = str(make_model("gemma3", tiny_model_dir, root / "gemma3"))
-    (root / "recipe.yaml").write_text(f"name: packed\nbase: {base}\n{VARIANTS}")
-    recipe, ref = load_recipe(root / "recipe.yaml")
-    return {r.name: r.path for r in Pipeline(recipe, ref, root / "work").run()}
 
 
 def kl_to_base(built: dict[str, Path], name: str) -> float:

@@ -1,0 +1,189 @@
+"""Exporting a variant to the formats other engines load.
+
+- `hf`: a plain transformers checkpoint of dense float weights (a packed variant's codes
+  dequantized, `(q - z) * s`): loads anywhere, at float size.
+- `compressed-tensors`: `pack-quantized`, the format llm-compressor writes and transformers and
+  vLLM load: every packed linear keeps its codes, scales and zero points, re-expressed in the
+  format's signed convention (code - 2^(bits-1), zero point - 2^(bits-1)) and packed by the
+  `compressed-tensors` package's own compressor; one config group per (bits, group size,
+  symmetric) with the module names as targets, so a mixed plan keeps each module's format.
+  int8 embedding rows are written dequantized (the format quantizes linears only).
+Contract: the export dir appears whole or not at all (written beside it and renamed last); a
+variant whose storage the format cannot express is refused, naming why and what it can export to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import save_file
+
+from compress.load_spec import PACKED, LoadSpec, read_load_spec
+from compress.packed import PackedFormat, Quantized
+
+ExportFormat = Literal["hf", "compressed-tensors"]
+EXPORT_FORMATS: tuple[ExportFormat, ...] = ("hf", "compressed-tensors")
+WEIGHTS = "model.safetensors"
+_NOT_COPIED = {WEIGHTS, PACKED, "workbench.json", "config.json"}
+
+
+class ExportError(ValueError):
+    """A variant that cannot be exported as asked; the message names why and the fix."""
+
+
+def exports_of(spec: LoadSpec) -> tuple[ExportFormat, ...]:
+    """The formats a stored variant can be exported to."""
+    if spec.format == "packed":
+        return EXPORT_FORMATS
+    if spec.format == "hf":
+        return ("hf",)
+    return ()
+
+
+def export(source: Path, fmt: str, out: Path) -> dict[str, Any]:
+    """Write `source` (a variant dir) as `fmt` into `out` (which must not exist); returns what
+    was written: format, files, bytes, and per scheme the modules it holds."""
+    spec = _checked(source, fmt, out)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        config = json.loads((source / "config.json").read_text())
+        state = _dense_state(spec) if spec.format == "packed" else _read(source)
+        schemes: dict[str, list[str]] = {}
+        if fmt == "compressed-tensors":
+            state, config["quantization_config"], schemes = _compressed(spec, state)
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for f in sorted(source.iterdir()):
+            if f.is_file() and f.name not in _NOT_COPIED:
+                shutil.copy2(f, tmp / f.name)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = sorted(p.name for p in out.iterdir())
+    size = sum((out / f).stat().st_size for f in files)
+    return {"format": fmt, "path": str(out), "files": files, "bytes": size, "schemes": schemes}
+
+
+def _checked(source: Path, fmt: str, out: Path) -> LoadSpec:
+    if fmt not in EXPORT_FORMATS:
+        raise ExportError(f"--format: found {fmt!r}; allowed: {', '.join(EXPORT_FORMATS)}")
+    if not (source / "config.json").is_file():
+        raise ExportError(
+            f"{source}: not a variant dir (no config.json); pass a dir under "
+            "runs/<recipe>/variants/"
+        )
+    if out.exists():
+        raise ExportError(f"--out: {out} exists; remove it or pass another --out")
+    try:
+        spec = read_load_spec(source)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    allowed = exports_of(spec)
+    if fmt not in allowed:
+        kind = f"{spec.format} ({spec.scheme})" if spec.scheme else spec.format
+        can = f"it exports to {', '.join(allowed)}" if allowed else "it exports to nothing yet"
+        raise ExportError(
+            f"{source}: a {kind} variant cannot be exported as {fmt}: {can}; the packed "
+            "variants (rtn, gptq, awq, hqq, mixed) export to hf and compressed-tensors"
+        )
+    return spec
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a mapping)
+
+
+def packed_weights(spec: LoadSpec) -> tuple[dict[str, torch.Tensor], dict[str, Quantized]]:
+    """A packed checkpoint's float tensors and, per coded module (the int8 embedding included),
+    its codes; the coded modules' keys are removed from the float tensors."""
+    from compress.packed_io import SUFFIXES, take_quantized
+
+    state = _read(spec.path)
+    coded = {n: PackedFormat.parse(f).bits for n, f in spec.module_formats.items()}
+    if spec.params.get("embeddings") == "int8":
+        embedding = next(k[: -len(".qweight")] for k in state if _is_embedding_codes(k, coded))
+        coded[embedding] = 8
+    codes = {n: take_quantized(state, n, bits, torch.device("cpu")) for n, bits in coded.items()}
+    assert not any(k.endswith(SUFFIXES) for k in state), "left-over codes"
+    return state, codes
+
+
+def _is_embedding_codes(key: str, linears: dict[str, int]) -> bool:
+    return key.endswith(".qweight") and key[: -len(".qweight")] not in linears
+
+
+def _dense_state(spec: LoadSpec) -> dict[str, torch.Tensor]:
+    state, codes = packed_weights(spec)
+    for name, qw in codes.items():
+        state[f"{name}.weight"] = qw.dequantize().contiguous()
+    return state
+
+
+def _compressed(
+    spec: LoadSpec, dense: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, list[str]]]:
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+
+    _, codes = packed_weights(spec)
+    by_scheme: dict[tuple[int, int | None, bool], list[str]] = defaultdict(list)
+    offsets: dict[str, int] = {}
+    for name, fmt_name in sorted(spec.module_formats.items()):
+        fmt, qw = PackedFormat.parse(fmt_name), codes[name]
+        _check_integer_zeros(spec, name, qw)
+        offsets[name] = offset = 2 ** (fmt.bits - 1)
+        by_scheme[(fmt.bits, fmt.group_size, bool((qw.zeros == offset).all()))].append(name)
+    state = dict(dense)
+    groups: dict[str, QuantizationScheme] = {}
+    described: dict[str, list[str]] = {}
+    for i, ((bits, group_size, sym), names) in enumerate(sorted(by_scheme.items(), key=str)):
+        args = QuantizationArgs(
+            num_bits=bits,
+            type="int",
+            symmetric=sym,
+            strategy="group" if group_size else "channel",
+            group_size=group_size,
+        )
+        scheme = QuantizationScheme(targets=names, weights=args, format="pack-quantized")
+        groups[f"group_{i}"] = scheme
+        described[
+            f"int{bits}" + (f"-g{group_size}" if group_size else "") + ("-sym" if sym else "-asym")
+        ] = names
+        for name in names:
+            qw, offset = codes[name], offsets[name]
+            module = {
+                "weight": state.pop(f"{name}.weight"),
+                "weight_scale": qw.scales.clone(),
+                "weight_zero_point": (qw.zeros - offset).to(torch.int8),
+            }
+            compressed = PackedQuantizationCompressor.compress(module, scheme)
+            state.update({f"{name}.{k}": v.contiguous() for k, v in compressed.items()})
+    config = QuantizationConfig(
+        config_groups=groups, format="pack-quantized", quantization_status="compressed"
+    )
+    return state, config.to_dict(), described
+
+
+def _check_integer_zeros(spec: LoadSpec, name: str, qw: Quantized) -> None:
+    if not torch.equal(qw.zeros, qw.zeros.round()):
+        raise ExportError(
+            f"{spec.path}: {name} has float zero points (the {spec.scheme} method fits them); "
+            "compressed-tensors' pack-quantized stores integer zero points only: export it "
+            "as hf (dense float weights), or quantize with rtn, gptq or awq"
+        )
