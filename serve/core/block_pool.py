@@ -14,12 +14,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+BlockHash = bytes
+"""A full block's prefix-cache key (`kv_cache_manager.block_key`: a sha256 digest)."""
+
 
 @dataclass(eq=False)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: BlockHash | None = None
     """Set once the block is full and registered for prefix caching."""
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
@@ -70,7 +73,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, KVBlock] = {}
+        self.cached: dict[BlockHash, KVBlock] = {}
         self.enable_prefix_caching = enable_prefix_caching
 
     @property
@@ -81,7 +84,7 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free
 
-    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_prefix_caching else None
 
     def allocate(self, n: int) -> list[KVBlock]:
@@ -111,7 +114,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a full block under its hash; the first block registered for a hash wins."""
         if not self.enable_prefix_caching or block.block_hash is not None:
             return

@@ -3,8 +3,10 @@
 Model: request r owns `blocks[r]`, enough blocks for its `num_computed_tokens` plus the tokens
 scheduled this step. Block i of a request holds the KV of its tokens [i*B, (i+1)*B). Once a block
 is full (its tokens are all computed by the end of the step that fills it) it is registered in the
-pool under `hash(parent hash, its token ids, adapter id)`, so a later request whose tokens and
-adapter agree up to that block takes it instead of recomputing.
+pool under `block_key(parent key, its token ids, adapter id)`, so a later request whose tokens and
+adapter agree up to that block takes it instead of recomputing. A hit trusts the key without
+comparing tokens, so the key is a sha256 (vLLM's fix for CVE-2025-25183: Python's `hash` of
+token tuples can be made to collide, serving one caller's KV to another's prompt).
 
 NOTE: a prefix hit never covers a request's last token: the model must run on at least one token
 to produce logits, so a hit is cut to whole blocks within `num_tokens - 1`.
@@ -12,12 +14,26 @@ to produce logits, so a hit is cut to whole blocks within `num_tokens - 1`.
 
 from __future__ import annotations
 
-from serve.core.block_pool import BlockPool, KVBlock
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from serve.core.block_pool import BlockHash, BlockPool, KVBlock
 from serve.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def block_key(
+    parent: BlockHash | None, token_ids: Sequence[int], adapter_id: int | None
+) -> BlockHash:
+    """sha256 of the parent block's key, the block's token ids (int64) and the adapter id."""
+    digest = hashlib.sha256(parent or bytes(32))
+    digest.update(array("q", token_ids).tobytes())
+    digest.update(b"-" if adapter_id is None else str(adapter_id).encode())
+    return digest.digest()
 
 
 class KVCacheManager:
@@ -39,8 +55,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range(len(request.block_hashes), full):
             parent = request.block_hashes[i - 1] if i else None
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            request.block_hashes.append(hash((parent, chunk, request.adapter_id)))
+            chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
+            request.block_hashes.append(block_key(parent, chunk, request.adapter_id))
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """The longest run of cached blocks that starts the request (not touched yet)."""

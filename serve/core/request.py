@@ -40,7 +40,7 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     """Hashes of the request's full blocks, in order (chained), extended as tokens arrive."""
     num_preemptions: int = 0
     num_cached_tokens: int = 0

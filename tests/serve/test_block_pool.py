@@ -45,11 +45,11 @@ def test_shared_block_is_freed_only_by_its_last_owner() -> None:
 def test_reallocating_a_cached_block_drops_its_hash() -> None:
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
-    pool.cache_block(block, 1234)
+    pool.cache_block(block, b"k" * 32)
     pool.free([block])
-    assert pool.get_cached_block(1234) is block  # free but still cached
+    assert pool.get_cached_block(b"k" * 32) is block  # free but still cached
     pool.allocate(2)  # evicts block 1 first, then block 0
-    assert pool.get_cached_block(1234) is None and block.block_hash is None
+    assert pool.get_cached_block(b"k" * 32) is None and block.block_hash is None
     pool.check_integrity()
 
 
@@ -92,6 +92,31 @@ def test_prefix_hash_includes_the_adapter() -> None:
     kv.cache_full_blocks(a, 9)
     assert kv.get_computed_blocks(request("b", list(range(9)), adapter=2)) == []
     assert ids(kv.get_computed_blocks(request("c", list(range(9)), adapter=1))) == [0, 1]
+
+
+def test_prefix_hit_needs_equal_tokens_even_when_python_hashes_collide(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CVE-2025-25183's class: keys were Python's `hash` of (parent, tokens, adapter), and a hit
+    never compares tokens. With every Python hash colliding, a different prompt must still miss;
+    the key is the sha256 of the parent key, the token ids and the adapter."""
+    import builtins
+    import hashlib
+
+    from serve.core import kv_cache_manager
+
+    monkeypatch.setattr(builtins, "hash", lambda _: 0)
+    kv = KVCacheManager(BlockPool(10), block_size=4)
+    a = request("a", list(range(9)))
+    kv.allocate_slots(a, 9)
+    kv.cache_full_blocks(a, 9)
+    assert kv.get_computed_blocks(request("b", [7, 7, 7, 7, 8, 8, 8, 8, 9])) == []
+    assert ids(kv.get_computed_blocks(request("c", list(range(9))))) == [0, 1]
+    first = hashlib.sha256(bytes(32) + (0).to_bytes(8, "little") + (1).to_bytes(8, "little"))
+    first.update((2).to_bytes(8, "little") + (3).to_bytes(8, "little") + b"-")
+    assert (
+        a.block_hashes[0] == first.digest() == kv_cache_manager.block_key(None, [0, 1, 2, 3], None)
+    )
 
 
 def test_free_blocks_can_be_revived_by_a_hit() -> None:
