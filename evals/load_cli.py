@@ -70,12 +70,17 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def served(model: str, serve_flags: list[str], log: Path) -> Iterator[str]:
-    """`python -m serve MODEL` in a subprocess on a free port; yields its URL."""
+    """`python -m serve MODEL` in a subprocess on a free port; yields its URL. The server is
+    this process's own (loopback, a port nobody else was told): the API key a user exports for
+    their servers ($WORKBENCH_API_KEY) is not passed on, or it would lock out our own requests."""
+    from serve.http.cli import API_KEY_ENV
+
     port = _free_port()
     cmd = [sys.executable, "-m", "serve", model, "--port", str(port), *serve_flags]
     log.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600

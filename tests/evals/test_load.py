@@ -56,3 +56,18 @@ def test_bench_finds_kv_saturation(tiny_model_dir: Path, tmp_path: Path) -> None
     assert high["ttft"]["p95"] >= high["ttft"]["p50"] > 0 and high["output_throughput"] > 0
     sat = result["saturation"]["16"]
     assert sat["measured_concurrency"] == 8 and abs(sat["estimated_concurrency"] - 256 / 80) < 1e-9
+
+
+@pytest.mark.e2e  # starts the server in a subprocess
+def test_workbench_api_key_in_the_shell_does_not_lock_out_the_evals_own_server(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README recommends exporting WORKBENCH_API_KEY; `workbench run` then got 401 from the
+    server it starts for its own measurements."""
+    import httpx
+
+    from evals.load_cli import served
+
+    monkeypatch.setenv("WORKBENCH_API_KEY", "sk-users-own-key")
+    with served(str(tiny_model_dir), ["--device", "cpu"], tmp_path / "server.log") as url:
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200
