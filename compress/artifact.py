@@ -41,10 +41,22 @@ class Artifact:
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((path / MANIFEST).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    """The manifest of the artifact at `path`; None when it has none; ValueError naming the fix
+    when the file is there but no manifest (a directory, not UTF-8, not JSON, not an object)."""
+    file = path / MANIFEST
+    if not file.exists():
         return None
+    try:
+        manifest = json.loads(file.read_text())
+        problem = None if isinstance(manifest, dict) else f"found {type(manifest).__name__}"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        problem = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if problem is not None:
+        raise ValueError(
+            f"{file}: not a workbench manifest (a JSON object): {problem}; rebuild the artifact, "
+            f"or remove {MANIFEST} to load it without its integrity check"
+        )
+    return manifest
 
 
 def artifact_from_manifest(path: Path) -> Artifact:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from compress.artifact import MANIFEST
 from serve.lora.manager import LoraConfig
 from tests.serve.server_util import ThreadServer, start_thread_server
 from tests.serve.test_lora_engine import ADAPTERS, make_adapter
@@ -87,6 +88,19 @@ def write_config(raw: str) -> Callable[[Path], None]:
     return lambda path: (path / CONFIG).write_text(raw)
 
 
+def write_manifest(raw: str | bytes) -> Callable[[Path], None]:
+    def edit(path: Path) -> None:
+        file = path / MANIFEST
+        file.write_bytes(raw) if isinstance(raw, bytes) else file.write_text(raw)
+
+    return edit
+
+
+def manifest_dir(path: Path) -> None:
+    (path / MANIFEST).unlink(missing_ok=True)
+    (path / MANIFEST).mkdir()
+
+
 def set_tensor(change: Callable[[str, torch.Tensor], torch.Tensor]) -> Callable[[Path], None]:
     def edit(path: Path) -> None:
         tensors = load_file(str(path / WEIGHTS))
@@ -135,6 +149,12 @@ BAD = {
     "invalid_regex": (set_config(rank_pattern={"q_proj[": 4}), "not a valid regex"),
     "rank_pattern_list": (set_config(rank_pattern=["q_proj"]), "rank_pattern is a list"),
     "zero_d_tensor": (set_tensor(first_a(lambda t: t[0, 0])), "2-D"),
+    # 23: 500 instead of 400, an adapter's workbench.json that is no manifest
+    "manifest_is_a_number": (write_manifest("5"), "not a workbench manifest"),
+    "manifest_is_a_string": (write_manifest('"files"'), "found str"),
+    "manifest_is_a_list": (write_manifest('["files"]'), "found list"),
+    "manifest_is_a_directory": (manifest_dir, "not a workbench manifest"),
+    "manifest_not_utf8": (write_manifest(b"\xff\xfe{"), "not a workbench manifest"),
     # 12: a regex that no engine matches in bounded time
     "catastrophic_pattern": (set_config(rank_pattern={"(.*){1,32000}[bc]": 4}), "took over"),
 }
