@@ -59,6 +59,10 @@ class DistillParams(StepParams):
             not self.layers or len(set(self.layers)) != len(self.layers)
         ):
             raise ValueError(f"layers: found {self.layers}; give distinct layer indices")
+        if isinstance(self.layers, list) and min(self.layers) < 0:
+            raise ValueError(
+                f"layers: found {self.layers}; layer indices count from 0 (the first layer)"
+            )
         narrower = self.hidden_size is not None or self.intermediate_size is not None
         if narrower and self.init == "teacher":
             raise ValueError(

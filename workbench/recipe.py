@@ -88,7 +88,8 @@ class Recipe(_Strict):
     name: Slug
     base: str
     """`demo`, `demo-tiny`, a local HF model dir (relative to the recipe file) or a hub id."""
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    """Seeds every step's and eval's random draws (torch, lm-eval: at most 2^31 - 1)."""
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """Where steps run: auto (cuda when available), cpu, cuda or cuda:N."""
     variants: list[Variant] = Field(min_length=1)

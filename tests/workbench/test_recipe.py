@@ -34,6 +34,17 @@ BAD = {
         ["found {'name': 'a'}", "valid list"],
     ),
     "no variants": ("name: x\nbase: demo-tiny\nvariants: []\n", "variants", ["at least 1 item"]),
+    # issue 23: accepted by validate, then failed (or silently misbuilt) in the run
+    "seed past 2^31": (
+        "name: x\nbase: demo-tiny\nseed: 100000000000000000000000\nvariants: [{name: a}]\n",
+        "seed",
+        ["less than or equal to 2147483647"],
+    ),
+    "negative distill layer": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{distill: {layers: [-1]}}]}]\n",
+        "variants[0].steps[0].distill",
+        ["layers: found [-1]; layer indices count from 0"],
+    ),
     "unknown step": (
         "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{quantise: {}}]}]\n",
         "variants[0].steps[0]",
