@@ -35,7 +35,7 @@ def build_once(final: Path, marker: str, build: Callable[[Path], object], announ
         remove_stale_tmp(final.parent)
         from rich.console import Console
 
-        Console(stderr=True).print(announce)
+        Console(stderr=True, markup=False).print(announce)
         with atomic_dir(final) as tmp:
             build(tmp)
     return final

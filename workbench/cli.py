@@ -9,14 +9,16 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from evals.load_cli import add_bench_arguments
 from serve.http.cli import add_serve_arguments, int_in
 from workbench.pipeline import Pipeline, PipelineError, VariantResult
 from workbench.recipe import RecipeError, load_recipe
 
-console = Console(stderr=True)
-out = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes get whole tables
+# markup off: paths, names and messages are printed as they are ("runs/[/]x" is a path)
+console = Console(stderr=True, markup=False)
+out = Console(width=None if sys.stdout.isatty() else 160, markup=False)  # logs get whole tables
 
 
 def _size(n: float) -> str:
@@ -70,11 +72,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from workbench.run_recipe import run
 
     def show(r: VariantResult) -> None:
-        console.print(
-            f"  {'built ' if r.status == 'built' else 'reused'} [bold]{r.name}[/] -> {r.path}"
-        )
+        status = "built " if r.status == "built" else "reused"
+        console.print(Text.assemble(f"  {status} ", (r.name, "bold"), f" -> {r.path}"))
         if r.rebuilt_because:
-            console.print(f"    [yellow]rebuilt, not reused:[/] {r.rebuilt_because}")
+            console.print(
+                Text.assemble("    ", ("rebuilt, not reused:", "yellow"), f" {r.rebuilt_because}")
+            )
 
     result = run(
         args.recipe,

@@ -289,6 +289,17 @@ def test_cli_exits_2_and_writes_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
 
 
+def test_work_dir_with_rich_markup_characters_is_printed_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--work-dir 'runs/[/]x'` built the variant, then died in rich.errors.MarkupError."""
+    monkeypatch.chdir(tmp_path)
+    path = _write(tmp_path, "name: x\nbase: demo-tiny\nvariants: [{name: a}]\n")
+    assert main(["run", str(path), "--work-dir", "runs/[/]x"]) == 0
+    printed = capsys.readouterr()
+    assert "runs/[/]x/variants/a" in printed.err and "runs/[/]x" in printed.out
+
+
 def test_cli_rejects_unknown_variant_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["run", str(_write(tmp_path, GOOD)), "--variant", "nope"]) == 2
