@@ -98,14 +98,17 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def remove_stale_tmp(parent: Path) -> list[Path]:
-    """Delete leftovers of interrupted writers below `parent`; the caller must hold the lock."""
+def remove_stale_tmp(parent: Path, only: Path | None = None) -> list[Path]:
+    """Delete leftovers of interrupted writers below `parent` (of `only`, a dir in it, when
+    given); the caller must hold the lock that covers every writer whose leftovers it deletes:
+    a temporary dir of a target another process is building now looks the same."""
     if not parent.is_dir():
         return []
+    prefix = f".{only.name}." if only is not None else "."
     stale = [
         p
         for p in parent.iterdir()
-        if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name)
+        if p.name.startswith(prefix) and (".tmp-" in p.name or ".old-" in p.name)
     ]
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)

@@ -32,7 +32,7 @@ def build_once(final: Path, marker: str, build: Callable[[Path], object], announ
     with file_lock(final.parent / f"{final.name}.lock"):
         if (final / marker).exists():
             return final
-        remove_stale_tmp(final.parent)
+        remove_stale_tmp(final.parent, only=final)  # the lock covers this target only
         from rich.console import Console
 
         Console(stderr=True, markup=False).print(announce)
