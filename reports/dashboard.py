@@ -34,16 +34,35 @@ def scan_runs(root: Path) -> tuple[dict[str, dict[str, Any]], list[dict[str, str
     show) is skipped, so one bad file never empties the page."""
     runs, skipped = {}, []
     for path in sorted(root.glob("*/report.json")):
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        checked = _checked_report(path)
+        if checked is None:
             continue  # a report being written; the next request sees it whole
-        problem = report_problem(path.parent.name, report)
+        report, problem = checked
         if problem is None:
             runs[path.parent.name] = report
         else:
             skipped.append({"file": str(path), "problem": problem})
     return runs, skipped
+
+
+_CHECKED: dict[Path, tuple[tuple[int, int], Any, str | None]] = {}
+"""report.json path -> ((mtime_ns, size), report, problem): a file is read and checked once
+until it changes, not on every request."""
+
+
+def _checked_report(path: Path) -> tuple[Any, str | None] | None:
+    try:
+        stat = path.stat()
+        version = (stat.st_mtime_ns, stat.st_size)
+        cached = _CHECKED.get(path)
+        if cached is not None and cached[0] == version:
+            return cached[1], cached[2]
+        report = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    problem = report_problem(path.parent.name, report)
+    _CHECKED[path] = (version, report, problem)
+    return report, problem
 
 
 def report_problem(run: str, report: Any) -> str | None:
@@ -136,7 +155,7 @@ def build_app(root: Path) -> FastAPI:
         variants: str | None = Query(None, description="comma-separated `run / variant` labels"),
     ) -> JSONResponse:
         available = load_runs(root)
-        chosen_runs = [r for r in runs.split(",") if r]
+        chosen_runs = list(dict.fromkeys(r for r in runs.split(",") if r))  # each run once
         unknown = [r for r in chosen_runs if r not in available]
         if unknown:
             known = ", ".join(available) or "none"

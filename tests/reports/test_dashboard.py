@@ -180,6 +180,24 @@ def test_unknown_run_is_a_clear_404(dashboard: str) -> None:
     )
 
 
+def test_a_run_named_2000_times_is_compared_once(
+    dashboard: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`/api/compare?runs=small,small,...` (2,000 names) did not answer in 60 s: names were not
+    deduplicated, and every request re-checked every report by building its figures."""
+    from reports import dashboard as dashboard_mod
+
+    once = httpx.get(f"{dashboard}/api/compare", params={"runs": "small"}, timeout=60)
+    checks: list[str] = []
+    real = dashboard_mod.report_problem
+    monkeypatch.setattr(
+        dashboard_mod, "report_problem", lambda run, r: checks.append(run) or real(run, r)
+    )
+    many = httpx.get(f"{dashboard}/api/compare", params={"runs": ",".join(["small"] * 2000)})
+    assert many.status_code == 200 and many.json() == once.json()
+    assert checks == []  # unchanged reports are not re-checked
+
+
 def _add_bad_reports(root: Path) -> dict[str, str]:
     """Files that are JSON but not reports, each with the words its note must carry."""
     bad = {
