@@ -15,7 +15,6 @@ variant whose storage the format cannot express is refused, naming why and what 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -24,12 +23,13 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save_file
 
+from compress.artifact import atomic_dir
 from compress.load_spec import PACKED, LoadSpec, read_load_spec
 from compress.packed import PackedFormat, Quantized
+from compress.packed_io import SUFFIXES, WEIGHTS, read_tensors, take_quantized
 
 ExportFormat = Literal["hf", "compressed-tensors"]
 EXPORT_FORMATS: tuple[ExportFormat, ...] = ("hf", "compressed-tensors")
-WEIGHTS = "model.safetensors"
 _NOT_COPIED = {WEIGHTS, PACKED, "workbench.json", "config.json"}
 
 
@@ -50,24 +50,21 @@ def export(source: Path, fmt: str, out: Path) -> dict[str, Any]:
     """Write `source` (a variant dir) as `fmt` into `out` (which must not exist); returns what
     was written: format, files, bytes, and per scheme the modules it holds."""
     spec = _checked(source, fmt, out)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out) as tmp:
         config = json.loads((source / "config.json").read_text())
-        state = _dense_state(spec) if spec.format == "packed" else _read(source)
+        state, codes = (
+            packed_weights(spec) if spec.format == "packed" else (read_tensors(source), {})
+        )
         schemes: dict[str, list[str]] = {}
         if fmt == "compressed-tensors":
-            state, config["quantization_config"], schemes = _compressed(spec, state)
+            config["quantization_config"], schemes = _compress(spec, state, codes)
+        for name, qw in codes.items():  # all for hf; the int8 embedding for compressed-tensors
+            state[f"{name}.weight"] = qw.dequantize().contiguous()
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for f in sorted(source.iterdir()):
             if f.is_file() and f.name not in _NOT_COPIED:
                 shutil.copy2(f, tmp / f.name)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     files = sorted(p.name for p in out.iterdir())
     size = sum((out / f).stat().st_size for f in files)
     return {"format": fmt, "path": str(out), "files": files, "bytes": size, "schemes": schemes}
@@ -98,19 +95,10 @@ def _checked(source: Path, fmt: str, out: Path) -> LoadSpec:
     return spec
 
 
-def _read(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    with safe_open(str(path / WEIGHTS), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a mapping)
-
-
 def packed_weights(spec: LoadSpec) -> tuple[dict[str, torch.Tensor], dict[str, Quantized]]:
     """A packed checkpoint's float tensors and, per coded module (the int8 embedding included),
     its codes; the coded modules' keys are removed from the float tensors."""
-    from compress.packed_io import SUFFIXES, take_quantized
-
-    state = _read(spec.path)
+    state = read_tensors(spec.path)
     coded = {n: PackedFormat.parse(f).bits for n, f in spec.module_formats.items()}
     if spec.params.get("embeddings") == "int8":
         embedding = next(k[: -len(".qweight")] for k in state if _is_embedding_codes(k, coded))
@@ -124,16 +112,11 @@ def _is_embedding_codes(key: str, linears: dict[str, int]) -> bool:
     return key.endswith(".qweight") and key[: -len(".qweight")] not in linears
 
 
-def _dense_state(spec: LoadSpec) -> dict[str, torch.Tensor]:
-    state, codes = packed_weights(spec)
-    for name, qw in codes.items():
-        state[f"{name}.weight"] = qw.dequantize().contiguous()
-    return state
-
-
-def _compressed(
-    spec: LoadSpec, dense: dict[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, list[str]]]:
+def _compress(
+    spec: LoadSpec, state: dict[str, torch.Tensor], codes: dict[str, Quantized]
+) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """Each packed linear's codes as pack-quantized tensors added to `state` (and popped from
+    `codes`); returns the quantization_config and, per scheme, its modules."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -141,15 +124,12 @@ def _compressed(
         QuantizationScheme,
     )
 
-    _, codes = packed_weights(spec)
     by_scheme: dict[tuple[int, int | None, bool], list[str]] = defaultdict(list)
-    offsets: dict[str, int] = {}
     for name, fmt_name in sorted(spec.module_formats.items()):
         fmt, qw = PackedFormat.parse(fmt_name), codes[name]
         _check_integer_zeros(spec, name, qw)
-        offsets[name] = offset = 2 ** (fmt.bits - 1)
-        by_scheme[(fmt.bits, fmt.group_size, bool((qw.zeros == offset).all()))].append(name)
-    state = dict(dense)
+        symmetric = bool((qw.zeros == 2 ** (fmt.bits - 1)).all())
+        by_scheme[(fmt.bits, fmt.group_size, symmetric)].append(name)
     groups: dict[str, QuantizationScheme] = {}
     described: dict[str, list[str]] = {}
     for i, ((bits, group_size, sym), names) in enumerate(sorted(by_scheme.items(), key=str)):
@@ -166,18 +146,18 @@ def _compressed(
             f"int{bits}" + (f"-g{group_size}" if group_size else "") + ("-sym" if sym else "-asym")
         ] = names
         for name in names:
-            qw, offset = codes[name], offsets[name]
-            module = {
-                "weight": state.pop(f"{name}.weight"),
+            qw = codes.pop(name)
+            module = {  # the compressor re-derives the signed codes from the weight
+                "weight": qw.dequantize(),
                 "weight_scale": qw.scales.clone(),
-                "weight_zero_point": (qw.zeros - offset).to(torch.int8),
+                "weight_zero_point": (qw.zeros - 2 ** (bits - 1)).to(torch.int8),
             }
             compressed = PackedQuantizationCompressor.compress(module, scheme)
             state.update({f"{name}.{k}": v.contiguous() for k, v in compressed.items()})
     config = QuantizationConfig(
         config_groups=groups, format="pack-quantized", quantization_status="compressed"
     )
-    return state, config.to_dict(), described
+    return config.to_dict(), described
 
 
 def _check_integer_zeros(spec: LoadSpec, name: str, qw: Quantized) -> None:

@@ -84,7 +84,8 @@ def save_packed(packed: PackedModel, out: Path, record: dict[str, Any]) -> None:
     (out / PACKED).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
-def _read(path: Path) -> dict[str, torch.Tensor]:
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the dir's `model.safetensors`."""
     with safe_open(str(path / WEIGHTS), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a mapping)
 
@@ -108,7 +109,7 @@ def load_packed(
     config = AutoConfig.from_pretrained(spec.path)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
-    state = _read(spec.path)
+    state = read_tensors(spec.path)
     for name, fmt_name in spec.module_formats.items():
         fmt = PackedFormat.parse(fmt_name)
         old = model.get_submodule(name)
