@@ -33,6 +33,12 @@ def _window_stats(
     return kl, agree, -ref.gather(-1, target)[..., 0], -var.gather(-1, target)[..., 0]
 
 
+def scored_bytes(tokenizer: Any, rows: torch.Tensor) -> int:
+    """UTF-8 bytes of every window's tokens after the first: the text `divergence`'s NLL is paid
+    for (its `target_bytes`)."""
+    return sum(len(str(tokenizer.decode(r[1:])).encode()) for r in rows.tolist())
+
+
 def _mean_and_stderr(per_window: torch.Tensor) -> tuple[float, float]:
     n = per_window.numel()
     mean = per_window.mean().item()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from evals.divergence import divergence
+from evals.divergence import divergence, scored_bytes
 from evals.step_bench import measure, resolve_model
 from serve.core.config import SchedulerConfig
 from serve.core.sampling_params import SamplingParams
@@ -45,8 +45,7 @@ def quality(model_dir: Path, data: list[str], windows: int) -> dict[str, Any]:
     out = {}
     for name in data:
         rows = held_out(tokenizer, name, 256)[:windows]
-        scored = sum(len(str(tokenizer.decode(r[1:])).encode()) for r in rows.tolist())
-        out[name] = divergence(fp32, bf16, rows, scored)
+        out[name] = divergence(fp32, bf16, rows, scored_bytes(tokenizer, rows))
         r = out[name]
         print(
             f"{name}: ppl float32 {r['reference_perplexity']:.3f}, bfloat16 {r['perplexity']:.3f}"

@@ -91,7 +91,7 @@ def measure_divergence(
     """KL / agreement / perplexity of `variant` against `reference`, per data set."""
     from catalog.data import NAMED
     from compress.data import load_texts, token_rows
-    from evals.divergence import divergence
+    from evals.divergence import divergence, scored_bytes
 
     settings = evals.divergence
     assert settings is not None
@@ -103,8 +103,7 @@ def measure_divergence(
     for name in settings.data:
         rows = token_rows(tokenizer, load_texts(name, "validation", NAMED), settings.seq_len)
         rows = rows[: settings.windows]
-        scored = sum(len(tokenizer.decode(r[1:]).encode()) for r in rows.tolist())
-        data[name] = divergence(ref_model, model, rows, scored)
+        data[name] = divergence(ref_model, model, rows, scored_bytes(tokenizer, rows))
     return DivergenceResult.from_json(
         {
             "reference": reference.name,

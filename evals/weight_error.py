@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compress.grids import hqq, rtn
 from compress.packed import PackedFormat
-from evals.divergence import divergence
+from evals.divergence import divergence, scored_bytes
 from evals.dtype_bench import held_out
 from evals.step_bench import resolve_model
 
@@ -99,8 +99,7 @@ def measure(model_dir: Path, cases: list[str], data: list[str], windows: int, se
         apply_case(model, tokenizer, case)
         results[case] = {"seconds": round(time.perf_counter() - start, 1)}
         for name, windows_of in rows.items():
-            scored = sum(len(str(tokenizer.decode(r[1:])).encode()) for r in windows_of.tolist())
-            r = divergence(reference, model, windows_of, scored)
+            r = divergence(reference, model, windows_of, scored_bytes(tokenizer, windows_of))
             results[case][name] = r
             print(
                 f"{case:13s} {name:12s} KL {r['kl_mean']:.4f} ± {r['kl_stderr']:.4f}  top-1 "
