@@ -115,6 +115,33 @@ def summarize(
     return out
 
 
+def _leaves(results: dict[str, Any], task: str) -> list[str]:
+    if task in results.get("samples", {}):
+        return [task]
+    return [
+        leaf for sub in results["group_subtasks"].get(task, []) for leaf in _leaves(results, sub)
+    ]
+
+
+def item_scores(results: dict[str, Any], task: str) -> dict[str, Any] | None:
+    """The `ItemScores` JSON of `task` (a group: its subtasks' documents) from lm-eval's logged
+    samples, ordered by id; None when samples were not logged."""
+    if "samples" not in results:
+        return None
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for leaf in _leaves(results, task):
+        rows += [(f"{leaf}/{s['doc_id']}", s) for s in results["samples"][leaf]]
+    rows.sort(key=lambda r: r[0])
+    out: dict[str, Any] = {"ids": [i for i, _ in rows]}
+    for metric in ("acc", "acc_norm"):
+        if rows and all(_is_float(s.get(metric)) for _, s in rows):
+            out[metric] = [float(s[metric]) for _, s in rows]
+    if rows and all(isinstance(s.get("bits_per_byte"), list | tuple) for _, s in rows):
+        out["loglikelihood"] = [float(s["bits_per_byte"][0]) for _, s in rows]
+        out["bytes"] = [int(s["bits_per_byte"][1]) for _, s in rows]
+    return out
+
+
 def _effective(results: dict[str, Any], task: str) -> int:
     if task in results["n-samples"]:
         return int(results["n-samples"][task]["effective"])
@@ -128,9 +155,10 @@ def evaluate_model(
     max_length: int,
     batch_size: int = 16,
     limit: int | None = None,
-    log_samples: bool = False,
+    log_samples: bool = True,
 ) -> dict[str, Any]:
-    """lm-eval's full results dict for `model` (a transformers or PEFT model) on `tasks`."""
+    """lm-eval's full results dict for `model` (a transformers or PEFT model) on `tasks`, with
+    every document's scores (`samples`) unless `log_samples` is off."""
     from lm_eval.models.huggingface import HFLM
 
     # the model and tokenizer are objects already: only the tasks need the hub switched off

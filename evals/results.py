@@ -37,8 +37,26 @@ class TaskScore(Record):
         return getattr(self, name, None)
 
 
+class ItemScores(Record):
+    """One task's per-document scores, for paired comparisons between variants scored on the
+    same documents: `ids[i]` (`<leaf task>/<doc id>`) names the document whose scores are at
+    index i of every list. Multiple choice: `acc` / `acc_norm` (1 right, 0 wrong); rolling
+    loglikelihood: the document's summed `loglikelihood` and its UTF-8 `bytes`."""
+
+    ids: list[str]
+    acc: Omitted[list[float]] = None
+    acc_norm: Omitted[list[float]] = None
+    loglikelihood: Omitted[list[float]] = None
+    bytes: Omitted[list[int]] = None
+
+    def metric(self, name: str) -> list[float] | None:
+        return getattr(self, name, None)
+
+
 class QualityResult(Record):
     tasks: dict[str, TaskScore]
+    items: Omitted[dict[str, ItemScores]] = None
+    """By task; kept in the work dir for the report's paired comparisons, not in report.json."""
     max_length: int
     dtype: str
     lm_eval_version: str
@@ -171,6 +189,7 @@ class VariantEvals(Record):
         if self.quality is None and self.divergence is None:
             return None
         out = self.quality.to_json() if self.quality else {}
+        out.pop("items", None)
         if self.divergence is not None:
             out["divergence"] = self.divergence.to_json()
         return out

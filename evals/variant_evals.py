@@ -19,6 +19,7 @@ from evals import stored
 from evals.results import (
     ChatAnswer,
     DivergenceResult,
+    ItemScores,
     LoadResult,
     QualityResult,
     ServerCheck,
@@ -59,7 +60,7 @@ def load_model(variant: VariantResult, dtype: str = "float32") -> tuple[Any, Any
 def measure_quality(evals: Evals, variant: VariantResult) -> QualityResult:
     from lm_eval import __version__ as lm_eval_version
 
-    from evals.quality import evaluate_model, summarize
+    from evals.quality import evaluate_model, item_scores, summarize
 
     started = time.perf_counter()
     model, tokenizer = load_model(variant, evals.dtype)
@@ -68,8 +69,10 @@ def measure_quality(evals: Evals, variant: VariantResult) -> QualityResult:
         model, tokenizer, evals.task_requests(), max_length, batch_size=evals.batch_size
     )
     tasks = summarize(results, evals.task_names(), results["workbench_sources"])
+    items = {name: item_scores(results, name) for name in tasks}
     return QualityResult(
         tasks={name: TaskScore.from_json(scores) for name, scores in tasks.items()},
+        items={name: ItemScores.from_json(i) for name, i in items.items() if i is not None},
         max_length=max_length,
         dtype=evals.dtype,
         lm_eval_version=lm_eval_version,
@@ -80,7 +83,7 @@ def measure_quality(evals: Evals, variant: VariantResult) -> QualityResult:
 def quality(
     evals: Evals, variant: VariantResult, work_dir: Path, force: bool
 ) -> tuple[QualityResult, bool]:
-    key = stored.key(variant.manifest.hash, evals.quality_key(), evals.max_length)
+    key = stored.key(variant.manifest.hash, evals.quality_key(), evals.max_length, "items")
     path = work_dir / "evals" / variant.name / "quality.json"
     return stored.cached(path, key, force, QualityResult, lambda: measure_quality(evals, variant))
 

@@ -3,6 +3,7 @@ subsets, standard errors, and a clear error when a task has no data here."""
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -87,3 +88,38 @@ def test_recipe_validation_names_a_task_without_data(
     with pytest.raises(RecipeError, match="'hellaswag' has no data here"):
         load_recipe(recipe)
     assert QualityTask(task="hellaswag", limit=10).limit == 10
+
+
+def test_item_scores_pair_every_scored_document_with_its_accuracy(
+    tiny: tuple[torch.nn.Module, object],
+) -> None:
+    from evals.quality import item_scores
+
+    requests = [TaskRequest("arc_easy", limit=6, seed=3), TaskRequest("corpus_ppl")]
+    results = evaluate_model(*tiny, requests, 64)
+    row = summarize(results, ["arc_easy", "corpus_ppl"])
+    arc = item_scores(results, "arc_easy")
+    assert arc is not None and len(arc["ids"]) == 6 == len(arc["acc"]) == len(arc["acc_norm"])
+    by_id = {f"arc_easy/{s['doc_id']}": s for s in results["samples"]["arc_easy"]}
+    assert arc["ids"] == sorted(by_id)
+    assert arc["acc"] == [by_id[i]["acc"] for i in arc["ids"]]
+    assert sum(arc["acc"]) / 6 == pytest.approx(row["arc_easy"]["acc"])
+    assert sum(arc["acc_norm"]) / 6 == pytest.approx(row["arc_easy"]["acc_norm"])
+    ppl = item_scores(results, "corpus_ppl")
+    assert ppl is not None and "acc" not in ppl and len(ppl["ids"]) == row["corpus_ppl"]["samples"]
+    # lm-eval's bits per byte is the summed -loglikelihood over the summed bytes, in bits
+    bpb = -sum(ppl["loglikelihood"]) / sum(ppl["bytes"]) / math.log(2)
+    assert bpb == pytest.approx(row["corpus_ppl"]["bits_per_byte"])
+    assert (
+        item_scores(evaluate_model(*tiny, requests[:1], 64, log_samples=False), "arc_easy") is None
+    )
+
+
+def test_item_scores_of_a_group_cover_its_subjects(tiny: tuple[torch.nn.Module, object]) -> None:
+    from evals.quality import item_scores
+
+    results = evaluate_model(*tiny, [TaskRequest("mmlu", limit=1)], 64)
+    items = item_scores(results, "mmlu")
+    assert items is not None and len(items["ids"]) == 57
+    assert {i.split("/")[0] for i in items["ids"]} == set(standard_tasks.leaf_tasks("mmlu"))
+    assert sum(items["acc"]) / 57 == pytest.approx(summarize(results, ["mmlu"])["mmlu"]["acc"])
