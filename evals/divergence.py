@@ -7,7 +7,10 @@ the reference scored against itself gives its own perplexity and bits per byte (
 1) with one forward per window.
 Per token t: KL(P_ref(.|x<t) || P_var(.|x<t)) in nats, and whether the two argmaxes agree. Means
 are over every scored token; their standard errors are over windows (tokens of one window are
-correlated, windows are nearly independent), so they are honest about the sample size.
+correlated, windows are nearly independent), so they are honest about the sample size. Each
+window's mean KL, agreement and both NLLs are kept too (`window_*`): the two models scored the same
+windows, so the report pairs them (the NLL difference per window gives the perplexity ratio's
+interval).
 """
 
 from __future__ import annotations
@@ -80,4 +83,8 @@ def divergence(
         "reference_bits_per_byte": ref_nll.sum().item() / math.log(2) / target_bytes,
         "windows": len(rows),
         "tokens": flat.numel(),
+        "window_kl": kl.mean(-1).tolist(),
+        "window_agreement": agree.mean(-1).tolist(),
+        "window_nll": var_nll.mean(-1).tolist(),
+        "window_reference_nll": ref_nll.mean(-1).tolist(),
     }

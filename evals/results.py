@@ -78,6 +78,12 @@ class DivergenceStats(Record):
     reference_bits_per_byte: float
     windows: int
     tokens: int
+    window_kl: Omitted[list[float]] = None
+    """Per window (same order for every variant): mean KL, agreement, and both models' mean NLL
+    per token in nats; absent in results stored before they were kept."""
+    window_agreement: Omitted[list[float]] = None
+    window_nll: Omitted[list[float]] = None
+    window_reference_nll: Omitted[list[float]] = None
 
 
 class DivergenceResult(Record):

@@ -132,7 +132,7 @@ def divergence_result(
     if settings is None or reference is None:
         return None, False
     key = stored.key(
-        variant.manifest.hash, reference.manifest.hash, settings.model_dump(mode="json")
+        variant.manifest.hash, reference.manifest.hash, settings.model_dump(mode="json"), "windows"
     )
     path = work_dir / "evals" / variant.name / "divergence.json"
     return stored.cached(

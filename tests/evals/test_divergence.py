@@ -34,6 +34,12 @@ def test_divergence_equals_a_direct_computation(tiny_model_dir: Path) -> None:
     assert stats["bits_per_byte"] == pytest.approx(nll_q.sum().item() / math.log(2) / 400, rel=1e-5)
     assert stats["tokens"] == 5 * 23 and stats["windows"] == 5
     assert 0 < stats["kl_median"] <= stats["kl_p99"]
+    # per window, in the windows' order: what the report pairs across variants
+    nll_p = -p.gather(-1, rows[:, 1:, None])[..., 0]
+    assert stats["window_kl"] == pytest.approx(kl.mean(-1).tolist(), rel=1e-5)
+    assert stats["window_agreement"] == pytest.approx(agree.mean(-1).tolist())
+    assert stats["window_nll"] == pytest.approx(nll_q.mean(-1).tolist(), rel=1e-5)
+    assert stats["window_reference_nll"] == pytest.approx(nll_p.mean(-1).tolist(), rel=1e-5)
 
     itself = divergence(ref, ref, rows, target_bytes=400)
     assert itself["kl_mean"] == 0.0 and itself["top1_agreement"] == 1.0
