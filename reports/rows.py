@@ -1,9 +1,8 @@
 """One row per variant: the figures the report's table, plots and dashboard show.
 
 Model: a row is a flat dict of numbers and names built from a variant's manifest, its lm-eval
-results and its load benchmark; `columns` says how each is labelled and which direction is
-better. Quality per task is one headline metric (word perplexity for rolling-perplexity tasks,
-accuracy for multiple choice). Recovery against the base (100% = the base's quality) is
+results and its load benchmark; `reports.metrics` says how each is labelled and which direction
+is better. Quality per task is its headline metric (`reports.metrics.headline`). Recovery against the base (100% = the base's quality) is
 variant/base accuracy, and for perplexity base/variant bits per byte (the log of perplexity,
 so a variant twice as perplexed per byte is at 50%, not at a ratio of exponentials).
 """
@@ -13,49 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from compress.manifest import Manifest
-from evals.results import LoadResult, TaskScore, VariantEvals
-
-HEADLINE = ("word_perplexity", "acc")
-DIVERGENCE = (  # row key prefix, `evals.divergence` statistic and its stderr, label, format, better
-    ("ppl", "perplexity", None, "token ppl ({data})", "float", "lower"),
-    ("bpb", "bits_per_byte", None, "bits/byte ({data})", "float", "lower"),
-    ("kl", "kl_mean", "kl_stderr", "KL vs {ref} ({data}, nats)", "float", "lower"),
-    (
-        "agree",
-        "top1_agreement",
-        "top1_agreement_stderr",
-        "top-1 agreement ({data})",
-        "pct",
-        "higher",
-    ),
-)
-
-
-def headline(score: TaskScore) -> tuple[str, float] | None:
-    """(metric, value) a task is summarised by."""
-    for name in HEADLINE:
-        value = score.metric(name)
-        if value is not None:
-            return name, value
-    return None
-
-
-def task_score(evals: VariantEvals, task: str) -> TaskScore | None:
-    return evals.quality.tasks.get(task) if evals.quality else None
-
-
-def task_metric(measured: dict[str, VariantEvals], task: str) -> str | None:
-    """The headline metric of `task` in the variants' lm-eval results."""
-    for evals in measured.values():
-        score = task_score(evals, task)
-        top = headline(score) if score else None
-        if top:
-            return top[0]
-    return None
-
-
-def lower_is_better(metric: str) -> bool:
-    return "perplexity" in metric
+from evals.results import LoadResult, VariantEvals
+from reports.metrics import DIVERGENCE_STATS, headline, lower_is_better, task_measure
 
 
 def describe_steps(manifest: Manifest) -> str:
@@ -100,14 +58,14 @@ def variant_row(name: str, manifest: Manifest, evals: VariantEvals) -> dict[str,
         "bytes_on_disk": manifest.bytes_on_disk,
     }
     for task, score in (evals.quality.tasks if evals.quality else {}).items():
-        top = headline(score)
-        if top:
-            row[task] = top[1]
-            row[f"{task}_stderr"] = score.metric(f"{top[0]}_stderr")
+        measure = headline(task, score)
+        if measure:
+            row[task] = score.metric(measure)
+            row[f"{task}_stderr"] = score.metric(f"{measure}_stderr")
         if score.bits_per_byte is not None:
             row[f"{task}_bits_per_byte"] = score.bits_per_byte
     for data, stats in (evals.divergence.data if evals.divergence else {}).items():
-        for prefix, stat, stderr, *_ in DIVERGENCE:
+        for prefix, (stat, stderr) in DIVERGENCE_STATS.items():
             row[f"{prefix}_{data}"] = getattr(stats, stat)
             if stderr:
                 row[f"{prefix}_{data}_stderr"] = getattr(stats, stderr)
@@ -115,50 +73,19 @@ def variant_row(name: str, manifest: Manifest, evals: VariantEvals) -> dict[str,
     return row
 
 
-def task_label(task: str, measured: dict[str, VariantEvals], lower: bool) -> str:
-    """`task (acc, n=100, validation split)`: n and split of the first variant that has them."""
-    for evals in measured.values():
-        score = task_score(evals, task)
-        if score:
-            parts = ["word ppl" if lower else "acc", f"n={score.samples:.0f}"]
-            if score.split is not None:
-                parts.append(f"{score.split} split")
-            return f"{task} ({', '.join(parts)})"
-    return task
-
-
-def divergence_columns(measured: dict[str, VariantEvals]) -> list[dict[str, Any]]:
-    """Token perplexity, bits per byte, KL and top-1 agreement against the reference variant, per
-    data set."""
-    for evals in measured.values():
-        div = evals.divergence
-        if div:
-            cols = []
-            for data in div.data:
-                for prefix, _, stderr, label, kind, better in DIVERGENCE:
-                    col = {
-                        "key": f"{prefix}_{data}",
-                        "label": label.format(ref=div.reference, data=data),
-                        "format": kind,
-                        "better": better,
-                    }
-                    if stderr:
-                        col["stderr_key"] = f"{prefix}_{data}_stderr"
-                    cols.append(col)
-            return cols
-    return []
-
-
 def add_recovery(
-    rows: list[dict[str, Any]], tasks: list[str], measured: dict[str, VariantEvals]
+    rows: list[dict[str, Any]],
+    tasks: list[str],
+    measured: dict[str, VariantEvals],
+    reference: str | None,
 ) -> None:
-    """`recovery_<task>` in percent against the base row (the variant named `base`, else the
-    first); a row without the task gets None."""
+    """`recovery_<task>` in percent against the reference's row; a row without the task gets
+    None."""
     if not rows:
         return
-    base = next((r for r in rows if r["variant"] == "base"), rows[0])
+    base = next((r for r in rows if r["variant"] == reference), rows[0])
     for task in tasks:
-        metric = task_metric(measured, task)
+        metric = task_measure(measured, task)
         for r in rows:
             value, ref = r.get(task), base.get(task)
             if value is None or not ref or metric is None:
@@ -190,72 +117,3 @@ def pareto_front(rows: list[dict[str, Any]], quality_key: str, lower_better: boo
         if not dominated:
             front.append(r["variant"])
     return front
-
-
-def columns(
-    tasks: list[str], measured: dict[str, VariantEvals], load_settings: dict | None
-) -> list[dict]:
-    """The table's columns: key, label, unit format and which direction is better."""
-    cols: list[dict[str, Any]] = [
-        {"key": "variant", "label": "variant", "format": "text"},
-        {"key": "steps", "label": "steps", "format": "text"},
-        {"key": "parameters", "label": "params", "format": "int", "better": None},
-        {"key": "weight_bytes", "label": "weight memory", "format": "bytes", "better": "lower"},
-        {"key": "kv_bytes_per_token", "label": "KV B/token", "format": "int", "better": "lower"},
-    ]
-    for task in tasks:
-        metric = task_metric(measured, task)
-        if metric is None:
-            continue
-        lower = lower_is_better(metric)
-        column = {
-            "key": task,
-            "label": task_label(task, measured, lower),
-            "format": "float" if lower else "pct",
-            "better": "lower" if lower else "higher",
-        }
-        if not lower:
-            column["stderr_key"] = f"{task}_stderr"
-        cols.append(column)
-        cols.append(
-            {
-                "key": f"recovery_{task}",
-                "label": f"{task} recovery{' (bits/byte)' if lower else ''}",
-                "format": "pct100",
-                "better": "higher",
-            }
-        )
-    cols += divergence_columns(measured)
-    return cols + load_settings_columns(load_settings)
-
-
-def load_settings_columns(load_settings: dict | None) -> list[dict[str, Any]]:
-    """Peak throughput, then p95 at 16 clients and saturation for each prompt length."""
-    if not load_settings:
-        return []
-    cols: list[dict[str, Any]] = [
-        {"key": "peak_output_tok_s", "label": "peak tok/s", "format": "float", "better": "higher"},
-        {"key": "peak_req_s", "label": "peak req/s", "format": "float", "better": "higher"},
-    ]
-    for length in load_settings["prompt_len"]:
-        cols += [
-            {
-                "key": f"p95_e2e_c16_p{length}",
-                "label": f"p95 e2e s @c16 p{length}",
-                "format": "float",
-                "better": "lower",
-            },
-            {
-                "key": f"saturation_p{length}",
-                "label": f"saturation conc. p{length}",
-                "format": "int",
-                "better": "higher",
-            },
-            {
-                "key": f"saturation_estimate_p{length}",
-                "label": f"estimate p{length}",
-                "format": "float",
-                "better": None,
-            },
-        ]
-    return cols

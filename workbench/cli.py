@@ -105,7 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _report_table(report: dict) -> Table:
     """The report's headline columns under short labels (report.md has them all)."""
-    from reports.report import fmt
+    from reports.render import fmt
 
     table = Table(title=report["title"])
     tasks = report["settings"]["quality_tasks"]

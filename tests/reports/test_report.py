@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from catalog import ensure_demo_model
 from evals.quality import TaskRequest, evaluate_model, summarize
-from reports.report import cell
+from reports.render import cell
 from tests.reports.conftest import Run, run_in, workbench_run
 
 TASKS = ["corpus_ppl", "corpus_cloze", "shift_ppl", "shop_colours"]
@@ -84,11 +84,12 @@ def test_recovery_and_pareto_front(small_run: Run) -> None:
     )
     assert rows["int8"]["weight_bytes"] < rows["base"]["weight_bytes"]
     assert rows["shop-lora"]["weight_bytes"] > rows["base"]["weight_bytes"]  # base + adapter
-    assert report["quality_axis"] == {"key": "corpus_ppl", "lower_is_better": True}
+    # nobody trained on the corpus (the adapter trained on the shop log): its KL is the axis
+    assert report["quality_axis"] == {"key": "kl_corpus", "lower_is_better": True, "excluded": []}
 
     def dominates(a: dict, b: dict) -> bool:
-        le = a["weight_bytes"] <= b["weight_bytes"] and a["corpus_ppl"] <= b["corpus_ppl"]
-        lt = a["weight_bytes"] < b["weight_bytes"] or a["corpus_ppl"] < b["corpus_ppl"]
+        le = a["weight_bytes"] <= b["weight_bytes"] and a["kl_corpus"] <= b["kl_corpus"]
+        lt = a["weight_bytes"] < b["weight_bytes"] or a["kl_corpus"] < b["kl_corpus"]
         return le and lt
 
     front = set(report["pareto_front"])
@@ -96,6 +97,63 @@ def test_recovery_and_pareto_front(small_run: Run) -> None:
     for name, row in rows.items():
         beaten = any(dominates(other, row) for o, other in rows.items() if o != name)
         assert beaten == (name not in front), name
+
+
+def test_paired_comparisons_equal_a_direct_computation_from_the_stored_scores(
+    small_run: Run,
+) -> None:
+    from evals.paired import (
+        accuracy_difference,
+        adjust,
+        bits_per_byte_difference,
+        window_difference,
+    )
+
+    report = report_of(small_run)
+    comparisons = report["comparisons"]
+    assert comparisons["reference"] == "base" and comparisons["unpaired"] == []
+    stored = {
+        v: json.loads((small_run.root / f"runs/small/evals/{v}/quality.json").read_text())
+        for v in VARIANTS
+    }
+    items = {v: s["result"]["items"] for v, s in stored.items()}
+    rows = {(r["variant"], r["metric"]): r for r in comparisons["rows"]}
+    # two variants x (2 accuracy tasks + 2 perplexity tasks + 2 divergence data sets)
+    assert len(rows) == 2 * 6
+    for v in ("int8", "shop-lora"):
+        for task in ("corpus_cloze", "shop_colours"):
+            base, var = items["base"][task], items[v][task]
+            assert base["ids"] == var["ids"] and len(var["ids"]) == var_n(report, v, task)
+            expected = accuracy_difference(base["acc"], var["acc"])
+            assert rows[(v, task)]["delta"] == pytest.approx(expected.delta)
+            assert rows[(v, task)]["p"] == pytest.approx(expected.p)
+            assert rows[(v, task)]["pairing"] == "accuracy"
+        for task in ("corpus_ppl", "shift_ppl"):
+            base, var = items["base"][task], items[v][task]
+            expected = bits_per_byte_difference(
+                base["loglikelihood"], var["loglikelihood"], base["bytes"]
+            )
+            assert rows[(v, task)]["delta"] == pytest.approx(expected.delta)
+            row = next(x["row"] for x in report["variants"] if x["name"] == v)
+            base_row = report["variants"][0]["row"]
+            assert expected.delta == pytest.approx(
+                row[f"{task}_bits_per_byte"] - base_row[f"{task}_bits_per_byte"], rel=1e-6
+            )
+        for data in ("corpus", "shift"):
+            stats = next(x for x in report["variants"] if x["name"] == v)["quality"]
+            d = stats["divergence"]["data"][data]
+            expected = window_difference(d["window_reference_nll"], d["window_nll"])
+            assert rows[(v, f"ppl_{data}")]["delta"] == pytest.approx(expected.delta)
+    ordered = comparisons["rows"]
+    assert [r["p_adjusted"] for r in ordered] == pytest.approx(adjust([r["p"] for r in ordered]))
+    # the adapter learned the shop log: its bits per byte there are detectably lower
+    assert rows[("shop-lora", "shift_ppl")]["verdict"] == "better"
+    assert rows[("shop-lora", "shift_ppl")]["delta"] < 0
+
+
+def var_n(report: dict, variant: str, task: str) -> int:
+    v = next(x for x in report["variants"] if x["name"] == variant)
+    return int(v["quality"]["tasks"][task]["samples"])
 
 
 def test_load_points_and_kv_saturation(small_run: Run) -> None:
@@ -142,21 +200,43 @@ def test_server_check_agrees(small_run: Run) -> None:
 def test_markdown_and_html(small_run: Run) -> None:
     report = report_of(small_run)
     md = (small_run.report_dir / "report.md").read_text()
-    header = "| " + " | ".join(c["label"] for c in report["columns"]) + " |"
-    assert header in md
-    for v in report["variants"]:
-        cells = [cell(v["row"], c) for c in report["columns"]]
-        assert "| " + " | ".join(cells) + " |" in md
-        for c in report["columns"]:
-            if c["format"] == "pct" and c["key"] in TASKS:  # accuracy ± its standard error
-                stderr = v["row"][f"{c['key']}_stderr"]
-                assert f"{100 * v['row'][c['key']]:.1f}% ± {100 * stderr:.1f}" in cells
-                assert c["label"].startswith(f"{c['key']} (acc, n=")
     page = (small_run.report_dir / "index.html").read_text()
+    groups = {c["group"] for c in report["columns"]}
+    assert groups == {"variant", "memory", "quality", "divergence", "serving"}
+    for group, title in [("memory", "Memory"), ("quality", "Quality (lm-eval)"),
+                         ("divergence", "Divergence from the reference"),
+                         ("serving", "Serving under load")]:  # fmt: skip
+        cols = [c for c in report["columns"] if c["group"] == group]
+        if group == "memory":
+            cols = [c for c in report["columns"] if c["group"] == "variant"] + cols
+        else:
+            cols = [report["columns"][0], *cols]
+        assert f"## {title}" in md
+        assert "| " + " | ".join(c["label"] for c in cols) + " |" in md
+        for v in report["variants"]:
+            cells = [cell(v["row"], c) for c in cols]
+            assert "| " + " | ".join(cells) + " |" in md
+        table = page[page.index(f"<table id='{group}'>") :]
+        table = table[: table.index("</table>")]
+        assert table.count("<tr>") == 1 + len(VARIANTS)
+    for c in report["columns"]:
+        if c["format"] == "pct" and c["key"] in TASKS:  # accuracy ± its standard error
+            assert c["label"].startswith(f"{c['key']} (acc, n=")
+            for v in report["variants"]:
+                stderr = v["row"][f"{c['key']}_stderr"]
+                assert f"{100 * v['row'][c['key']]:.1f}% ± {100 * stderr:.1f}" in md
+    # the recommendation leads, and every sentence of report.json is in both files
+    assert md.index("## Recommendation") < md.index("## Memory")
+    for sentence in report["recommendation"]:
+        assert f"- {sentence}" in md
+    assert page.index("id='recommendation'") < page.index("<table id='memory'>")
+    assert "## Paired against base" in md
+    paired = page[page.index("<table id='paired'>") :]
+    assert paired[: paired.index("</table>")].count("<tr>") == 1 + len(
+        report["comparisons"]["rows"]
+    )
     for plot in ("quality", "throughput", "latency", "kv"):
         assert f'id="plot-{plot}"' in page
-    table = page[page.index("<table id='variants'>") : page.index("</table>")]
-    assert table.count("<tr>") == 1 + len(VARIANTS)
     assert (small_run.report_dir / "plotly.min.js").stat().st_size > 1_000_000
 
 
@@ -193,6 +273,8 @@ def test_force_builds_and_measures_again(small_run: Run, tmp_path: Path) -> None
     stored = json.loads((root / "runs/small/evals/base/quality.json").read_text())
     divergence = json.loads((root / "runs/small/evals/base/divergence.json").read_text())
     quality = report["variants"][0]["quality"]
+    items = stored["result"].pop("items")  # per-document scores stay in the work dir
+    assert set(items) == set(TASKS)
     assert stored["result"] | {"divergence": divergence["result"]} == quality
 
 

@@ -1,0 +1,181 @@
+"""Every figure the report shows, declared once: its row key, label, format, which direction is
+better, the table group it belongs to, and how it is paired against the reference variant.
+
+Model: `registry` lists a run's metrics from its tasks, divergence data sets and load settings.
+The report's tables (one per group), its columns in report.json (which the dashboard and the CLI
+read), the paired comparisons and the recommendation all take their metrics from it, so a label, a
+direction or a pairing cannot disagree between them. A task's headline metric is the one lm-eval's
+users quote for it (`evals.standard_tasks`), else word perplexity for rolling-loglikelihood tasks
+and accuracy for multiple choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from evals import standard_tasks
+from evals.results import TaskScore, VariantEvals
+
+Format = Literal["text", "int", "float", "bytes", "pct", "pct100"]
+Group = Literal["variant", "memory", "quality", "divergence", "serving"]
+GROUPS: dict[Group, str] = {
+    "variant": "Variants",
+    "memory": "Memory",
+    "quality": "Quality (lm-eval)",
+    "divergence": "Divergence from the reference",
+    "serving": "Serving under load",
+}
+Pairing = Literal["accuracy", "bits_per_byte", "window_nll"]
+"""How a metric's difference against the reference is tested (`evals.paired`): documents' 0/1
+scores, documents' loglikelihoods over their bytes, or windows' mean NLL per token."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    """The row key (report.json `variants[].row`)."""
+    label: str
+    format: Format
+    better: Literal["higher", "lower"] | None
+    group: Group
+    stderr_key: str | None = None
+    paired: Pairing | None = None
+    source: str | None = None
+    """What is paired: the lm-eval task, or the divergence data set."""
+    measure: str | None = None
+    """The lm-eval metric (acc, acc_norm, word_perplexity) a task column shows."""
+
+    def column(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"key": self.key, "label": self.label, "format": self.format}
+        if self.format != "text":
+            out["better"] = self.better
+        if self.stderr_key:
+            out["stderr_key"] = self.stderr_key
+        return out | {"group": self.group}
+
+
+def lower_is_better(measure: str) -> bool:
+    return "perplexity" in measure
+
+
+def headline(task: str, score: TaskScore) -> str | None:
+    """The lm-eval metric `task` is summarised by, if `score` has it."""
+    quoted = standard_tasks.headline_metric(task)
+    for name in (quoted, "word_perplexity", "acc") if quoted else ("word_perplexity", "acc"):
+        if name is not None and score.metric(name) is not None:
+            return name
+    return None
+
+
+def task_score(evals: VariantEvals, task: str) -> TaskScore | None:
+    return evals.quality.tasks.get(task) if evals.quality else None
+
+
+def task_measure(measured: dict[str, VariantEvals], task: str) -> str | None:
+    """The headline metric of `task` in the variants' lm-eval results."""
+    for evals in measured.values():
+        score = task_score(evals, task)
+        found = headline(task, score) if score else None
+        if found:
+            return found
+    return None
+
+
+def _task_label(task: str, measure: str, measured: dict[str, VariantEvals]) -> str:
+    """`task (acc_norm, n=200, validation split)`: n and split of the first variant with them."""
+    short = "word ppl" if measure == "word_perplexity" else measure
+    for evals in measured.values():
+        score = task_score(evals, task)
+        if score:
+            parts = [short, f"n={score.samples:.0f}"]
+            if score.split is not None:
+                parts.append(f"{score.split} split")
+            return f"{task} ({', '.join(parts)})"
+    return task
+
+
+def task_metrics(task: str, measured: dict[str, VariantEvals]) -> list[Metric]:
+    measure = task_measure(measured, task)
+    if measure is None:
+        return []
+    lower = lower_is_better(measure)
+    shown = Metric(
+        task,
+        _task_label(task, measure, measured),
+        "float" if lower else "pct",
+        "lower" if lower else "higher",
+        "quality",
+        stderr_key=None if lower else f"{task}_stderr",
+        paired="bits_per_byte" if lower else "accuracy",
+        source=task,
+        measure=measure,
+    )
+    recovery = Metric(
+        f"recovery_{task}",
+        f"{task} recovery{' (bits/byte)' if lower else ''}",
+        "pct100",
+        "higher",
+        "quality",
+    )
+    return [shown, recovery]
+
+
+def divergence_metrics(data: str, reference: str) -> list[Metric]:
+    return [
+        Metric(f"ppl_{data}", f"token ppl ({data})", "float", "lower", "divergence",
+               paired="window_nll", source=data),
+        Metric(f"bpb_{data}", f"bits/byte ({data})", "float", "lower", "divergence"),
+        Metric(f"kl_{data}", f"KL vs {reference} ({data}, nats)", "float", "lower", "divergence",
+               stderr_key=f"kl_{data}_stderr", source=data),
+        Metric(f"agree_{data}", f"top-1 agreement ({data})", "pct", "higher", "divergence",
+               stderr_key=f"agree_{data}_stderr"),
+    ]  # fmt: skip
+
+
+DIVERGENCE_STATS = {  # row key prefix: (`evals.divergence` statistic, its standard error)
+    "ppl": ("perplexity", None),
+    "bpb": ("bits_per_byte", None),
+    "kl": ("kl_mean", "kl_stderr"),
+    "agree": ("top1_agreement", "top1_agreement_stderr"),
+}
+
+MEMORY = [
+    Metric("parameters", "params", "int", None, "memory"),
+    Metric("weight_bytes", "weight memory", "bytes", "lower", "memory"),
+    Metric("kv_bytes_per_token", "KV B/token", "int", "lower", "memory"),
+]
+
+
+def serving_metrics(prompt_lens: list[int]) -> list[Metric]:
+    """Peak throughput, then p95 at 16 clients and saturation for each prompt length."""
+    out = [
+        Metric("peak_output_tok_s", "peak tok/s", "float", "higher", "serving"),
+        Metric("peak_req_s", "peak req/s", "float", "higher", "serving"),
+    ]
+    for n in prompt_lens:
+        out += [
+            Metric(f"p95_e2e_c16_p{n}", f"p95 e2e s @c16 p{n}", "float", "lower", "serving"),
+            Metric(f"saturation_p{n}", f"saturation conc. p{n}", "int", "higher", "serving"),
+            Metric(f"saturation_estimate_p{n}", f"estimate p{n}", "float", None, "serving"),
+        ]
+    return out
+
+
+def registry(
+    tasks: list[str], measured: dict[str, VariantEvals], load_settings: dict | None
+) -> list[Metric]:
+    """The run's metrics, in table order."""
+    out = [
+        Metric("variant", "variant", "text", None, "variant"),
+        Metric("steps", "steps", "text", None, "variant"),
+        *MEMORY,
+    ]
+    for task in tasks:
+        out += task_metrics(task, measured)
+    div = next((e.divergence for e in measured.values() if e.divergence), None)
+    for data in div.data if div else []:
+        out += divergence_metrics(data, div.reference if div else "")
+    if load_settings:
+        out += serving_metrics(load_settings["prompt_len"])
+    return out
