@@ -51,7 +51,7 @@ def make_report(**verdicts: str) -> dict[str, Any]:
             "alpha": 0.05,
             "rows": comparisons,
             "adjustment": "Benjamini-Hochberg over 6 comparisons",
-        },  # fmt: skip
+        },
         "quality_axis": {"key": "kl_corpus", "lower_is_better": True, "excluded": []},
     }
     report["pareto_front"] = pareto_front(rows, "kl_corpus", True)
