@@ -18,7 +18,7 @@ from reports.comparisons import describe_delta, describe_mde
 
 
 def _mb(n: float) -> str:
-    return f"{n / 1e6:.0f} MB"
+    return f"{n / 1e6:.0f} MB" if n >= 10e6 else f"{n / 1e6:.2f} MB"
 
 
 def _benchmark(row: dict[str, Any]) -> bool:
@@ -94,9 +94,9 @@ def _costs(run: _Run, name: str) -> str:
     size = run.weights.get(name)
     parts = [f"**{name}** ({_mb(size) if size else '?'}, {run.ratio(name)}):"]
     if worse:
-        parts.append("worse on " + "; ".join(_named(r, run.labels) for r in worse) + ".")
+        parts.append("Worse on " + "; ".join(_named(r, run.labels) for r in worse) + ".")
     if better:
-        parts.append("better on " + "; ".join(_named(r, run.labels) for r in better) + ".")
+        parts.append("Better on " + "; ".join(_named(r, run.labels) for r in better) + ".")
     if same:
         labels = ", ".join(run.labels.get(r["metric"], r["metric"]) for r in same)
         parts.append(f"No detectable difference on {labels}.")

@@ -62,6 +62,9 @@ def test_the_smallest_variant_without_a_detectable_loss_follows_the_verdicts() -
     text = recommendation(make_report())
     assert text[1].startswith("**int4** is the smallest variant with no detectable loss")
     assert "(250 MB, 0.25x base's weights)" in text[1]
+    small = make_report()
+    small["variants"][3]["row"]["weight_bytes"] = 2.5e6
+    assert "(2.50 MB, 0.00x base's weights)" in recommendation(small)[1]
     assert "smaller than 7.0 pts on hellaswag (acc_norm, n=200)" in text[1]
     assert "Held-out text does show its cost: token ppl (corpus) +1.21% ppl" in text[1]
     assert recommendation(make_report(int4="worse"))[1].startswith("**nf4** is the smallest")
@@ -74,7 +77,7 @@ def test_the_smallest_variant_without_a_detectable_loss_follows_the_verdicts() -
 def test_each_variants_costs_are_its_detectable_differences() -> None:
     text = recommendation(make_report(nf4="worse"))
     nf4 = next(s for s in text if s.startswith("**nf4**"))
-    assert nf4.startswith("**nf4** (300 MB, 0.30x base's weights): worse on ")
+    assert nf4.startswith("**nf4** (300 MB, 0.30x base's weights): Worse on ")
     assert "hellaswag (acc_norm, n=200) -1.0 pts [-4.0, +2.0]" in nf4
     report = make_report(nf4="worse")
     row = next(r for r in report["comparisons"]["rows"] if r["variant"] == "nf4")
