@@ -14,9 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from pydantic import ValidationError
 
 from evals.load import sweep
 from evals.results import LoadResult
+from evals.settings import LoadEval, Slo
+
+SLO_KEYS = {"ttft": "ttft_p95_s", "itl": "itl_p95_s", "e2el": "e2e_p95_s"}
+"""`--slo` keys (vllm bench serve's metric names) and the recipe's `slo` fields."""
 
 
 def _ints(text: str) -> list[int]:
@@ -29,6 +34,33 @@ def _ints(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: give positive integers")
     return values
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give comma-separated numbers, e.g. 0.5,1,2"
+        ) from None
+    if not values or any(not v > 0 or v == float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive, finite numbers")
+    return values
+
+
+def _slo_bound(text: str) -> tuple[str, float]:
+    key, _, ms = text.partition(":")
+    if key not in SLO_KEYS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give KEY:MILLISECONDS with KEY one of {', '.join(SLO_KEYS)}, e.g. ttft:500"
+        )
+    try:
+        value = float(ms)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the bound must be positive milliseconds")
+    return SLO_KEYS[key], value / 1000
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +90,29 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--request-model",
         help="the `model` requests name (default: the server's base model); e.g. an adapter "
         "loaded with --lora NAME=PATH",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=_floats,
+        default=[],
+        help="open-loop points: Poisson arrivals at these rates (requests/s), e.g. 1,2,4",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=32,
+        help="requests per open-loop point, the SLO search's too (default 32)",
+    )
+    p.add_argument(
+        "--slo",
+        type=_slo_bound,
+        nargs="+",
+        metavar="KEY:MS",
+        help="find the capacity within these p95 bounds in milliseconds (keys ttft, itl, e2el), "
+        "e.g. --slo ttft:500 itl:50",
+    )
+    p.add_argument(
+        "--slo-search-steps", type=int, default=6, help="rates the SLO search measures (default 6)"
     )
     p.add_argument("--out", default="reports/bench.json", help="JSON results file")
 
@@ -105,17 +160,10 @@ def run_bench(args: argparse.Namespace, serve_flags: list[str]) -> LoadResult:
             "workbench bench: give a MODEL to serve or --url of a running server, not both"
         )
     out = Path(args.out)
+    load = load_settings(args)
 
     def run(url: str) -> LoadResult:
-        return sweep(
-            url,
-            args.concurrency,
-            args.prompt_len,
-            args.max_tokens,
-            args.requests,
-            model=args.request_model,
-            requests_per_client=args.requests_per_client,
-        )
+        return sweep(url, load, model=args.request_model)
 
     if args.url:
         result = run(args.url)
@@ -127,17 +175,52 @@ def run_bench(args: argparse.Namespace, serve_flags: list[str]) -> LoadResult:
     return result
 
 
+def load_settings(args: argparse.Namespace) -> LoadEval:
+    """The flags as the recipe's `load` settings; SystemExit naming the flag when one is out of
+    range."""
+    flags = {
+        "max_tokens": "--max-tokens",
+        "requests_per_point": "--requests",
+        "requests_per_client": "--requests-per-client",
+        "requests_per_rate_point": "--num-prompts",
+        "slo_search_steps": "--slo-search-steps",
+    }
+    try:
+        return LoadEval(
+            concurrency=args.concurrency,
+            prompt_len=args.prompt_len,
+            max_tokens=args.max_tokens,
+            requests_per_point=args.requests,
+            requests_per_client=args.requests_per_client,
+            request_rates=args.request_rate,
+            requests_per_rate_point=args.num_prompts,
+            slo=Slo(**dict(args.slo)) if args.slo else None,
+            slo_search_steps=args.slo_search_steps,
+        )
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{flags.get(str(err['loc'][0]), err['loc'][0]) if err['loc'] else 'flags'}: "
+            f"{err['msg']}"
+            for err in e.errors()
+        )
+        raise SystemExit(f"workbench bench: {problems}") from None
+
+
 def print_summary(result: LoadResult) -> None:
+    """The points as a table (open-loop points by their rate), then saturation and capacity."""
     print(
-        f"{'conc':>5} {'prompt':>6} {'req/s':>7} {'tok/s':>8} {'ttft p50':>9} {'ttft p95':>9} "
-        f"{'e2e p50':>8} {'e2e p95':>8} {'kv peak':>7} {'wait pk':>7}"
+        f"{'load':>8} {'prompt':>6} {'req/s':>7} {'tok/s':>8} {'ttft p50':>9} {'ttft p95':>9} "
+        f"{'itl p95':>8} {'e2e p95':>8} {'kv peak':>7} {'failed':>6}"
     )
-    for p in result.points:
+    capacity = result.capacity or {}
+    searched = [p for c in capacity.values() for p in c.searched]
+    for p in [*result.points, *(result.rate_points or []), *searched]:
+        load = f"{p.request_rate:g}/s" if p.request_rate else f"c={p.concurrency}"
+        itl = p.itl.p95 if p.itl else float("nan")
         print(
-            f"{p.concurrency:>5} {p.prompt_len:>6} {p.request_throughput:>7.2f} "
+            f"{load:>8} {p.prompt_len:>6} {p.request_throughput:>7.2f} "
             f"{p.output_throughput:>8.1f} {p.ttft.p50:>9.3f} {p.ttft.p95:>9.3f} "
-            f"{p.e2e.p50:>8.3f} {p.e2e.p95:>8.3f} {p.peak_kv_usage:>7.2f} "
-            f"{p.peak_waiting:>7.0f}"
+            f"{itl:>8.4f} {p.e2e.p95:>8.3f} {p.peak_kv_usage:>7.2f} {p.failed:>6}"
         )
     for length, sat in result.saturation.items():
         estimate = sat.estimated_concurrency
@@ -145,3 +228,18 @@ def print_summary(result: LoadResult) -> None:
             f"prompt {length}: saturation at concurrency {sat.measured_concurrency} "
             f"(estimate from KV budget: {'unknown' if estimate is None else f'{estimate:.1f}'})"
         )
+    for length, cap in capacity.items():
+        bounds = ", ".join(f"{k} <= {v:g}" for k, v in cap.slo.items())
+        rate = "none met it" if cap.request_rate is None else f"{cap.request_rate:.3g} req/s"
+        print(
+            f"prompt {length}: within {bounds}: concurrency {cap.concurrency or 'none met it'}, "
+            f"request rate {rate}"
+        )
+
+
+def failed_requests(result: LoadResult) -> int:
+    """Requests that failed at any point of the run."""
+    capacity = result.capacity or {}
+    points = [*result.points, *(result.rate_points or [])]
+    points += [p for c in capacity.values() for p in c.searched]
+    return sum(p.failed for p in points)

@@ -121,6 +121,11 @@ class Point(Record):
     """Engine steps of this point that ended with requests waiting while KV was >= 90% full."""
     failed: int = 0
     saturated: bool = False
+    itl: Omitted[Percentiles] = None
+    """Seconds between streamed tokens, over every gap of every request."""
+    request_rate: Omitted[float] = None
+    """An open-loop point's Poisson arrival rate (req/s); its `concurrency` is the most
+    requests in flight at once. None: a closed-loop point of `concurrency` clients."""
 
 
 class ServerInfo(Record):
@@ -141,12 +146,28 @@ class Saturation(Record):
     """KV tokens / (prompt + output tokens)."""
 
 
+class Capacity(Record):
+    """What one prompt length can take within the SLO."""
+
+    slo: dict[str, float]
+    concurrency: int | None
+    """The highest ramp concurrency whose point met the SLO (None: none did)."""
+    request_rate: float | None
+    """The highest Poisson request rate the search found meeting the SLO (None: none did)."""
+    searched: list[Point]
+    """The search's open-loop points, in the order measured."""
+
+
 class LoadResult(Record):
     server: ServerInfo
     kv_tokens: float | None
     points: list[Point]
     saturation: dict[str, Saturation]
     """By prompt length (a string: JSON keys)."""
+    rate_points: Omitted[list[Point]] = None
+    """Open-loop points at the recipe's request rates."""
+    capacity: Omitted[dict[str, Capacity]] = None
+    """By prompt length, when an SLO was given."""
     adapter_requests: Omitted[float] = None
     """An adapter variant: requests its server ran with it (proof the adapter, not the base, ran)."""
 

@@ -103,15 +103,7 @@ def load_key(load: LoadEval, variant: VariantResult) -> str:
 def _sweep(url: str, load: LoadEval, model: str) -> LoadResult:
     from evals.load import sweep
 
-    return sweep(
-        url,
-        load.concurrency,
-        load.prompt_len,
-        load.max_tokens,
-        load.requests_per_point,
-        model,
-        load.requests_per_client,
-    )
+    return sweep(url, load, model)
 
 
 def _post(url: str, route: str, body: dict[str, Any]) -> None:

@@ -10,13 +10,41 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 Slug = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Slo(_Strict):
+    """Latency bounds a deployment must keep (seconds, 95th percentiles over a point's requests;
+    ITL over all their token gaps). A point meets the SLO when every bound given holds and no
+    request failed."""
+
+    ttft_p95_s: PositiveFloat | None = None
+    itl_p95_s: PositiveFloat | None = None
+    e2e_p95_s: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _some_bound(self) -> Slo:
+        if not self.bounds():
+            raise ValueError("an slo needs at least one of ttft_p95_s, itl_p95_s, e2e_p95_s")
+        return self
+
+    def bounds(self) -> dict[str, float]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
 class LoadEval(_Strict):
@@ -34,6 +62,16 @@ class LoadEval(_Strict):
     """The server's KV cache budget, e.g. 8MiB (default: the server's own)."""
     max_num_seqs: PositiveInt = 256
     """The server's running-request cap: above the ramp's top, so the KV cache is the limit."""
+    request_rates: list[PositiveFloat] = Field(default=[], max_length=64)
+    """Open-loop points per prompt length: Poisson arrivals at these rates (requests/s)."""
+    requests_per_rate_point: PositiveInt = Field(default=32, le=100_000)
+    """Requests sent at each open-loop point (the SLO search's too)."""
+    slo: Slo | None = None
+    """Capacity under these bounds per prompt length: the highest ramp concurrency, and (by a
+    search over Poisson request rates) the highest rate, whose points meet them."""
+    slo_search_steps: PositiveInt = Field(default=6, le=20)
+    """Rates measured by the SLO search per prompt length (doubling or halving from the ramp's
+    peak request throughput, then bisecting)."""
 
 
 class QualityTask(_Strict):

@@ -129,3 +129,17 @@ def describe_mde(row: dict[str, Any]) -> str:
     if kind == "bits_per_byte":
         return f"{mde:.4f} bits/byte"
     return f"{100 * math.expm1(mde):.2f}% ppl"
+
+
+def summary(comparisons: dict[str, Any], variant: str) -> str:
+    """A variant's verdicts in a few words: `2 worse, 1 better, 3 within noise`."""
+    if variant == comparisons["reference"]:
+        return "reference"
+    verdicts = [r["verdict"] for r in comparisons["rows"] if r["variant"] == variant]
+    if not verdicts:
+        return "not paired"
+    counts = {v: verdicts.count(v) for v in ("worse", "better", "no detectable difference")}
+    return (
+        f"{counts['worse']} worse, {counts['better']} better, "
+        f"{counts['no detectable difference']} within noise"
+    )

@@ -4,13 +4,16 @@ Model: a run is a directory `<reports>/<run>/` holding a `report.json`; the dire
 every request, so a report written while the dashboard runs appears on reload. The page
 (`dashboard.html`) asks `/api/runs` what exists and `/api/compare` for the chosen runs and
 variants: the union of their table columns, one row per variant labelled `run / variant`, and
-the report's plots (`reports.figures`) over exactly those variants.
+the report's plots (`reports.figures`) over exactly those variants. `Filters` (a memory budget,
+a p95 latency bound, a minimum capacity within the run's SLO) keep only the variants known to
+meet them: a variant without the figure a filter reads is hidden while that filter is set.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +83,46 @@ def report_problem(run: str, report: Any) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Filters:
+    budget_mb: float | None = None
+    """Weight memory at most this many MB."""
+    max_e2e_p95_s: float | None = None
+    """p95 end-to-end latency at 16 clients at most this, at every prompt length measured."""
+    min_slo_rate: float | None = None
+    """Request rate within the run's SLO at least this, at every prompt length measured."""
+
+    def passes(self, row: dict[str, Any]) -> bool:
+        def values(prefix: str) -> list[float]:
+            return [v for k, v in row.items() if k.startswith(prefix) and v is not None]
+
+        if self.budget_mb is not None:
+            weights = row.get("weight_bytes")
+            if weights is None or weights > self.budget_mb * 1e6:
+                return False
+        if self.max_e2e_p95_s is not None:
+            e2e = values("p95_e2e_c16_p")
+            if not e2e or max(e2e) > self.max_e2e_p95_s:
+                return False
+        if self.min_slo_rate is not None:
+            rates = [v for k, v in row.items() if k.startswith("capacity_rate_p")]
+            if not rates or any(r is None or r < self.min_slo_rate for r in rates):
+                return False
+        return True
+
+
 def compare(
-    runs: dict[str, dict[str, Any]], chosen_runs: list[str], chosen: set[str] | None
+    runs: dict[str, dict[str, Any]],
+    chosen_runs: list[str],
+    chosen: set[str] | None,
+    filters: Filters | None = None,
 ) -> dict[str, Any]:
     """Columns, rows and figures for the chosen runs; `chosen` = labels `run / variant` to
-    keep (None: all)."""
+    keep (None: all); `hidden`: the chosen variants `filters` left out."""
+    filters = filters or Filters()
     columns: list[dict[str, Any]] = []
     seen: set[str] = set()
-    picked, rows = [], []
+    picked, rows, hidden = [], [], []
     for run in chosen_runs:
         report = runs[run]
         for c in report["columns"]:
@@ -95,9 +130,13 @@ def compare(
                 seen.add(c["key"])
                 columns.append(c)
         for e in entries(report, prefix=f"{run} / "):
-            if chosen is None or e["label"] in chosen:
-                picked.append(e)
-                rows.append({**e["row"], "label": e["label"], "run": run})
+            if chosen is not None and e["label"] not in chosen:
+                continue
+            if not filters.passes(e["row"]):
+                hidden.append(e["label"])
+                continue
+            picked.append(e)
+            rows.append({**e["row"], "label": e["label"], "run": run})
     axis = next((runs[r]["quality_axis"] for r in chosen_runs), {"key": None})
     key, lower = axis.get("key"), axis.get("lower_is_better", True)
     figs = figures.all_figures(picked, key, bool(lower))
@@ -105,6 +144,7 @@ def compare(
     return {
         "columns": columns,
         "rows": rows,
+        "hidden": hidden,
         "figures": {name: json.loads(fig.to_json()) for name, fig in figs.items()},
     }
 
@@ -153,6 +193,9 @@ def build_app(root: Path) -> FastAPI:
     def compare_route(
         runs: str = Query("", description="comma-separated run names"),
         variants: str | None = Query(None, description="comma-separated `run / variant` labels"),
+        budget_mb: float | None = Query(None, gt=0, description="weight memory at most (MB)"),
+        max_e2e_p95_s: float | None = Query(None, gt=0, description="p95 e2e at 16 clients"),
+        min_slo_rate: float | None = Query(None, ge=0, description="req/s within the SLO"),
     ) -> JSONResponse:
         available = load_runs(root)
         chosen_runs = list(dict.fromkeys(r for r in runs.split(",") if r))  # each run once
@@ -163,7 +206,8 @@ def build_app(root: Path) -> FastAPI:
                 404, f"no report for run(s) {', '.join(unknown)} in {root}; known: {known}"
             )
         chosen = None if variants is None else {v for v in variants.split(",") if v}
-        return JSONResponse(compare(available, chosen_runs, chosen))
+        filters = Filters(budget_mb, max_e2e_p95_s, min_slo_rate)
+        return JSONResponse(compare(available, chosen_runs, chosen, filters))
 
     return app
 

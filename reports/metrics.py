@@ -147,35 +147,53 @@ MEMORY = [
 ]
 
 
-def serving_metrics(prompt_lens: list[int]) -> list[Metric]:
-    """Peak throughput, then p95 at 16 clients and saturation for each prompt length."""
+def serving_metrics(load_settings: dict[str, Any]) -> list[Metric]:
+    """Peak throughput and failed requests, then per prompt length: p95 latencies at 16 clients,
+    KV saturation, and with an SLO the capacity within it."""
     out = [
         Metric("peak_output_tok_s", "peak tok/s", "float", "higher", "serving"),
         Metric("peak_req_s", "peak req/s", "float", "higher", "serving"),
+        Metric("failed_requests", "failed requests", "int", "lower", "serving"),
     ]
-    for n in prompt_lens:
+    slo = load_settings.get("slo")
+    bounds = ", ".join(f"{k.removesuffix('_s')} {v:g} s" for k, v in (slo or {}).items() if v)
+    for n in load_settings["prompt_len"]:
         out += [
             Metric(f"p95_e2e_c16_p{n}", f"p95 e2e s @c16 p{n}", "float", "lower", "serving"),
+            Metric(f"p95_itl_c16_p{n}", f"p95 ITL s @c16 p{n}", "float", "lower", "serving"),
             Metric(f"saturation_p{n}", f"saturation conc. p{n}", "int", "higher", "serving"),
             Metric(f"saturation_estimate_p{n}", f"estimate p{n}", "float", None, "serving"),
         ]
+        if slo:
+            out += [
+                Metric(f"capacity_rate_p{n}", f"req/s within SLO p{n} ({bounds})", "float",
+                       "higher", "serving"),
+                Metric(f"capacity_conc_p{n}", f"clients within SLO p{n}", "int", "higher",
+                       "serving"),
+            ]  # fmt: skip
     return out
 
 
 def registry(
-    tasks: list[str], measured: dict[str, VariantEvals], load_settings: dict | None
+    tasks: list[str],
+    measured: dict[str, VariantEvals],
+    load_settings: dict | None,
+    reference: str | None = None,
 ) -> list[Metric]:
-    """The run's metrics, in table order."""
+    """The run's metrics, in table order; with a `reference`, each variant's paired verdicts
+    against it (`reports.comparisons.summary`) lead the quality group."""
     out = [
         Metric("variant", "variant", "text", None, "variant"),
         Metric("steps", "steps", "text", None, "variant"),
         *MEMORY,
     ]
+    if reference is not None and len(measured) > 1:
+        out.append(Metric("verdicts", f"paired vs {reference}", "text", None, "quality"))
     for task in tasks:
         out += task_metrics(task, measured)
     div = next((e.divergence for e in measured.values() if e.divergence), None)
     for data in div.data if div else []:
         out += divergence_metrics(data, div.reference if div else "")
     if load_settings:
-        out += serving_metrics(load_settings["prompt_len"])
+        out += serving_metrics(load_settings)
     return out

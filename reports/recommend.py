@@ -15,6 +15,7 @@ from collections import defaultdict
 from typing import Any
 
 from reports.comparisons import describe_delta, describe_mde
+from reports.rows import front
 
 
 def _mb(n: float) -> str:
@@ -142,6 +143,32 @@ def _dominated(run: _Run) -> list[str]:
     return sentences
 
 
+def _capacity(run: _Run) -> list[str]:
+    """Per prompt length with an SLO: each variant's highest request rate within it, and the
+    variants no other beats on both that rate and the quality axis."""
+    key, lower = run.axis.get("key"), run.axis.get("lower_is_better", True)
+    excluded = set(run.axis.get("excluded", []))
+    out = []
+    for column in (k for k in run.labels if k.startswith("capacity_rate_p")):
+        label = run.labels[column]
+        rated = sorted((r for r in run.rows if r.get(column) is not None), key=lambda r: -r[column])
+        missed = [r["variant"] for r in run.rows if r.get(column) is None]
+        text = f"{label}: " + (
+            ", ".join(f"{r['variant']} {r[column]:.3g}" for r in rated) or "no variant met it"
+        )
+        if missed and rated:
+            text += f"; none met it: {', '.join(missed)}"
+        text += "."
+        if key and rated:
+            best = front([r for r in rated if r["variant"] not in excluded],
+                         [(column, False), (key, lower)])  # fmt: skip
+            text += (
+                f" Not beaten on both capacity and {run.labels.get(key, key)}: {', '.join(best)}."
+            )
+        out.append(text)
+    return out
+
+
 def recommendation(report: dict[str, Any]) -> list[str]:
     """The recommendation's sentences, in order."""
     run = _Run(report)
@@ -155,4 +182,4 @@ def recommendation(report: dict[str, Any]) -> list[str]:
         _smallest_without_loss(run),
     ]
     sentences += [_costs(run, name) for name in run.by_variant]
-    return sentences + _dominated(run)
+    return sentences + _dominated(run) + _capacity(run)

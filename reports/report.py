@@ -22,7 +22,7 @@ from evals.results import VariantEvals
 from evals.settings import Evals
 from evals.variant_evals import Measurements
 from reports import figures
-from reports.comparisons import compare, reference_name
+from reports.comparisons import compare, reference_name, summary
 from reports.metrics import Metric, registry
 from reports.recommend import recommendation
 from reports.render import html_tables, markdown
@@ -98,7 +98,11 @@ def build_report(
         names, settings.divergence.reference if settings.divergence else None
     )
     add_recovery(rows, tasks, measured, reference)
-    metrics = registry(tasks, measured, load_settings)
+    metrics = registry(tasks, measured, load_settings, reference)
+    comparisons = compare(metrics, measured, reference) if reference else None
+    for row in rows:
+        if comparisons is not None and len(rows) > 1:
+            row["verdicts"] = summary(comparisons, row["variant"])
     axis = quality_axis(variants, metrics, measured)
     on_axis = [r for r in rows if r["variant"] not in axis["excluded"]]
     report = {
@@ -130,14 +134,40 @@ def build_report(
             n: [a.to_json() for a in answers] for n, answers in measurements.answers.items()
         },
         "reused": measurements.reused,
-        "comparisons": compare(metrics, measured, reference) if reference else None,
+        "comparisons": comparisons,
         "quality_axis": axis,
         "pareto_front": (
             pareto_front(on_axis, axis["key"], axis["lower_is_better"]) if axis["key"] else []
         ),
     }
     report["recommendation"] = recommendation(report)
+    report["problems"] = problems(report)
     return report
+
+
+def problems(report: dict[str, Any]) -> list[str]:
+    """What makes the run's exit code non-zero: failed requests at any load point, and a
+    server check that disagrees with lm-eval in-process."""
+    out = []
+    for v in report["variants"]:
+        load = v["load"] or {}
+        points = [*load.get("points", []), *(load.get("rate_points") or [])]
+        points += [p for c in (load.get("capacity") or {}).values() for p in c["searched"]]
+        for p in points:
+            if p["failed"]:
+                where = (
+                    f"{p['request_rate']:g} req/s"
+                    if p.get("request_rate")
+                    else (f"concurrency {p['concurrency']}")
+                )
+                out.append(
+                    f"{v['name']}: {p['failed']} of {p['failed'] + p['requests']} requests "
+                    f"failed at {where}, prompt {p['prompt_len']}"
+                )
+    check = report.get("server_check")
+    if check and not check["ok"]:
+        out.append(f"server check on {check['variant']}: lm-eval through the server disagrees")
+    return out
 
 
 def _plan_of(info: dict[str, Any]) -> dict[str, Any]:

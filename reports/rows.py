@@ -31,15 +31,24 @@ def load_columns(load: LoadResult | None, reference_concurrency: int = 16) -> di
     """Peak throughput, p95 at the reference concurrency and saturation, per prompt length."""
     if not load:
         return {}
+    capacity = load.capacity or {}
+    everything = [*load.points, *(load.rate_points or [])]
+    everything += [p for c in capacity.values() for p in c.searched]
     row: dict[str, Any] = {
         "kv_bytes_per_token": load.server.kv_bytes_per_token,
         "kv_tokens": load.kv_tokens,
         "peak_output_tok_s": max(p.output_throughput for p in load.points),
         "peak_req_s": max(p.request_throughput for p in load.points),
+        "failed_requests": sum(p.failed for p in everything),
     }
+    for length, cap in capacity.items():
+        row[f"capacity_conc_p{length}"] = cap.concurrency
+        row[f"capacity_rate_p{length}"] = cap.request_rate
     for length, sat in load.saturation.items():
         point = load.at(int(length), reference_concurrency)
         row[f"p95_e2e_c{reference_concurrency}_p{length}"] = point.e2e.p95 if point else None
+        itl = point.itl if point else None
+        row[f"p95_itl_c{reference_concurrency}_p{length}"] = itl.p95 if itl else None
         row[f"saturation_p{length}"] = sat.measured_concurrency
         estimate = sat.estimated_concurrency
         row[f"saturation_estimate_p{length}"] = round(estimate, 1) if estimate is not None else None
@@ -97,23 +106,29 @@ def add_recovery(
                 r[f"recovery_{task}"] = 100.0 * value / ref
 
 
-def pareto_front(rows: list[dict[str, Any]], quality_key: str, lower_better: bool) -> list[str]:
-    """Variants no other variant beats on both weight memory and quality (ties kept)."""
+def front(rows: list[dict[str, Any]], axes: list[tuple[str, bool]]) -> list[str]:
+    """Variants no other variant beats on every axis (`(key, lower_is_better)`): at least as
+    good on all and strictly better on one. Rows missing an axis are left out; ties are kept."""
 
-    def better_or_equal(a: dict, b: dict) -> bool:
-        qa, qb = a[quality_key], b[quality_key]
-        q_ok = qa <= qb if lower_better else qa >= qb
-        return a["weight_bytes"] <= b["weight_bytes"] and q_ok
+    def at_least(a: dict, b: dict, key: str, lower: bool) -> bool:
+        return a[key] <= b[key] if lower else a[key] >= b[key]
 
-    usable = [r for r in rows if r.get(quality_key) is not None and r.get("weight_bytes")]
-    front = []
-    for r in usable:
-        dominated = any(
-            better_or_equal(o, r)
-            and (o["weight_bytes"] < r["weight_bytes"] or o[quality_key] != r[quality_key])
+    usable = [r for r in rows if all(r.get(k) is not None for k, _ in axes)]
+    return [
+        r["variant"]
+        for r in usable
+        if not any(
+            all(at_least(o, r, k, lower) for k, lower in axes)
+            and any(o[k] != r[k] for k, _ in axes)
             for o in usable
             if o is not r
         )
-        if not dominated:
-            front.append(r["variant"])
-    return front
+    ]
+
+
+def pareto_front(rows: list[dict[str, Any]], quality_key: str, lower_better: bool) -> list[str]:
+    """Variants no other variant beats on both weight memory and quality (ties kept)."""
+    return front(
+        [r for r in rows if r.get("weight_bytes")],
+        [("weight_bytes", True), (quality_key, lower_better)],
+    )

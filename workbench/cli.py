@@ -100,7 +100,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"report: {result.report_dir / 'index.html'} "
         f"(figures in {result.report_dir / 'report.json'})"
     )
-    return 0
+    for problem in result.report.get("problems", []):
+        console.print(Text.assemble(("problem: ", "bold red"), problem))
+    return 1 if result.report.get("problems") else 0
 
 
 def _report_table(report: dict) -> Table:
@@ -151,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from evals.load_cli import print_summary, run_bench
+    from evals.load_cli import failed_requests, print_summary, run_bench
     from workbench.base_model import named_model_dir
 
     serve_flags = list(args.serve_flags)
@@ -159,8 +161,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if model_dir is not None:
         serve_flags += ["--served-model-name", Path(args.model).stem]
         args.model = str(model_dir)
-    print_summary(run_bench(args, serve_flags))
+    result = run_bench(args, serve_flags)
+    print_summary(result)
     out.print(f"wrote {args.out}")
+    failed = failed_requests(result)
+    if failed:
+        console.print(f"workbench bench: {failed} request(s) failed; see {args.out}")
+        return 1
     return 0
 
 

@@ -71,3 +71,34 @@ def test_workbench_api_key_in_the_shell_does_not_lock_out_the_evals_own_server(
     monkeypatch.setenv("WORKBENCH_API_KEY", "sk-users-own-key")
     with served(str(tiny_model_dir), ["--device", "cpu"], tmp_path / "server.log") as url:
         assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200
+
+
+@pytest.mark.e2e  # `workbench bench` starts the server in a subprocess
+def test_bench_request_rates_and_capacity_within_an_slo(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench.json"
+    flags = ["--concurrency", "1,4", "--prompt-len", "16", "--max-tokens", "8", "--requests", "8"]
+    flags += ["--request-rate", "40", "--num-prompts", "8", "--slo", "ttft:5000"]
+    flags += ["--slo-search-steps", "2", "--out", str(out), "--device", "cpu"]
+    assert main(["bench", str(tiny_model_dir), *flags]) == 0
+    result = json.loads(out.read_text())
+    (rate_point,) = result["rate_points"]
+    assert rate_point["request_rate"] == 40 and rate_point["requests"] == 8
+    assert rate_point["itl"]["p50"] > 0 and rate_point["failed"] == 0
+    cap = result["capacity"]["16"]
+    assert cap["slo"] == {"ttft_p95_s": 5.0} and cap["concurrency"] == 4
+    assert len(cap["searched"]) == 2 and cap["request_rate"] is not None
+    peak = max(p["request_throughput"] for p in result["points"])
+    assert [p["request_rate"] for p in cap["searched"]] == [peak, 2 * peak]  # both met it
+
+
+@pytest.mark.e2e  # `workbench bench` starts the server in a subprocess
+def test_bench_exit_code_counts_failed_requests(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Prompts longer than the server's context are refused (400): counted, and exit code 1."""
+    out = tmp_path / "bench.json"
+    flags = ["--concurrency", "2", "--prompt-len", "40", "--max-tokens", "4", "--requests", "4"]
+    flags += ["--out", str(out), "--device", "cpu", "--max-model-len", "32"]
+    assert main(["bench", str(tiny_model_dir), *flags]) == 1
+    (point,) = json.loads(out.read_text())["points"]
+    assert point["failed"] == 4 and point["requests"] == 0

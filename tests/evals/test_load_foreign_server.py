@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from evals.load import sweep
+from evals.settings import LoadEval
+from tests.evals.fake_server import serving
 
 
 def foreign_app(metrics: str | None) -> FastAPI:
@@ -58,31 +55,16 @@ def foreign_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, float]
         if request.param == "vllm-metrics"
         else None
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(foreign_app(metrics), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            httpx.get(f"{url}/v1/models", timeout=1)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield url, 0.25 if metrics else 0.0
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(foreign_app(metrics)) as url:
+        yield url, 0.25 if metrics else 0.0
 
 
 def test_bench_url_against_a_server_without_workbench_metrics(
     foreign_server: tuple[str, float],
 ) -> None:
     url, kv_usage = foreign_server
-    result = sweep(url, [1, 3], [8], 5, requests_per_point=6)
+    load = LoadEval(concurrency=[1, 3], prompt_len=[8], max_tokens=5, requests_per_point=6)
+    result = sweep(url, load)
     assert result.server.model == "other"
     assert result.server.kv_blocks is None and result.kv_tokens is None
     assert [p.concurrency for p in result.points] == [1, 3]

@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 
 from reports.dashboard import build_app
-from reports.report import cell as report_cell
+from reports.render import cell as report_cell
 from tests.reports.conftest import Run
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -245,3 +245,73 @@ def test_bad_report_note_shows_in_a_real_browser(
     for run in bad:
         assert any(f"{run}/report.json" in note for note in notes), notes
     assert len(_labels(browser)) > 0
+
+
+def _set_filter(driver: object, element_id: str, value: str) -> None:
+    driver.execute_script(
+        "const e = document.getElementById(arguments[0]); e.value = arguments[1];"
+        "e.dispatchEvent(new Event('change'));",
+        element_id,
+        value,
+    )
+
+
+def test_dashboard_filters_by_memory_budget_and_slo_in_a_real_browser(
+    browser: object, dashboard: str, reports_dir: Path
+) -> None:
+    reports = {
+        r: json.loads((reports_dir / r / "report.json").read_text()) for r in ("other", "small")
+    }
+    rows = {f"{run} / {v['name']}": v["row"] for run, r in reports.items() for v in r["variants"]}
+    browser.get(dashboard + "/")
+    _wait_updates(browser, 1)
+    small = {v["name"]: v["row"] for v in reports["small"]["variants"]}
+    budget = (small["int8"]["weight_bytes"] + small["base"]["weight_bytes"]) / 2
+    _set_filter(browser, "budget-mb", str(budget / 1e6))
+    _wait_updates(browser, 2)
+    kept = [label for label, row in rows.items() if row["weight_bytes"] <= budget]
+    assert 0 < len(kept) < len(rows) and _labels(browser) == kept
+    assert [t for t in _traces(browser, "quality") if t != "Pareto front"] == kept
+    status = browser.find_element("id", "status").text
+    assert f"{len(rows) - len(kept)} hidden by the filters" in status
+
+    # a capacity no variant reaches within its SLO: nothing is left (set right after clearing
+    # the budget: the answer to the first change must not overwrite the second's)
+    _set_filter(browser, "budget-mb", "")
+    top = max(v for row in rows.values() for k, v in row.items() if k.startswith("capacity_rate"))
+    _set_filter(browser, "min-rate", str(2 * top))
+    _wait_updates(browser, 3)
+    time.sleep(1)  # an older answer arriving late would show here
+    assert _labels(browser) == []
+    # a p95 bound between the variants' worst p95s at 16 clients
+    _set_filter(browser, "min-rate", "")
+    worst = {
+        label: max(v for k, v in row.items() if k.startswith("p95_e2e_c16_p"))
+        for label, row in rows.items()
+    }
+    bound = sorted(worst.values())[len(worst) // 2]
+    _set_filter(browser, "max-e2e", str(bound))
+    _wait_updates(browser, 4)
+    time.sleep(1)
+    assert _labels(browser) == [label for label, w in worst.items() if w <= bound]
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def test_filters_over_http(dashboard: str, reports_dir: Path) -> None:
+    report = json.loads((reports_dir / "small" / "report.json").read_text())
+    rates = {
+        v["name"]: min(
+            (x if x is not None else -1.0)
+            for k, x in v["row"].items()
+            if k.startswith("capacity_rate_p")
+        )
+        for v in report["variants"]
+    }
+    floor = sorted(rates.values())[1]
+    r = httpx.get(f"{dashboard}/api/compare", params={"runs": "small", "min_slo_rate": floor})
+    assert r.status_code == 200
+    shown = [row["variant"] for row in r.json()["rows"]]
+    assert shown == [n for n, rate in rates.items() if rate >= floor]
+    assert r.json()["hidden"] == [f"small / {n}" for n, rate in rates.items() if rate < floor]
+    bad = httpx.get(f"{dashboard}/api/compare", params={"runs": "small", "budget_mb": "-1"})
+    assert bad.status_code == 422 and "budget_mb" in bad.text

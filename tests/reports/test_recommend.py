@@ -139,3 +139,39 @@ def test_nothing_compared_says_so(missing: str) -> None:
     assert recommendation(report) == [
         "No variant was compared with a reference (one variant, or nothing measured)."
     ]
+
+
+def test_failed_requests_and_a_disagreeing_server_check_are_problems() -> None:
+    from reports.report import problems
+
+    report = make_report()
+    ok_point = {"failed": 0, "requests": 8, "concurrency": 4, "prompt_len": 16}
+    for v in report["variants"]:
+        v["load"] = {"points": [ok_point], "rate_points": None, "capacity": None}
+    assert problems(report) == []
+    report["variants"][1]["load"]["points"] = [ok_point | {"failed": 3, "requests": 5}]
+    rate = ok_point | {"failed": 1, "requests": 7, "request_rate": 2.5}
+    report["variants"][2]["load"]["capacity"] = {"16": {"searched": [rate]}}
+    report["server_check"] = {"ok": False, "variant": "base"}
+    assert problems(report) == [
+        "int8: 3 of 8 requests failed at concurrency 4, prompt 16",
+        "nf4: 1 of 8 requests failed at 2.5 req/s, prompt 16",
+        "server check on base: lm-eval through the server disagrees",
+    ]
+
+
+def test_capacity_within_the_slo_is_ranked_and_traded_against_quality() -> None:
+    report = make_report()
+    label = "req/s within SLO p128 (ttft_p95 2 s)"
+    report["columns"].append({"key": "capacity_rate_p128", "label": label, "format": "float"})
+    rates = {"base": 2.0, "int8": 3.0, "nf4": 5.0, "int4": None}
+    for v in report["variants"]:
+        v["row"]["capacity_rate_p128"] = rates[v["name"]]
+    text = [s for s in recommendation(report) if s.startswith(label)]
+    assert text == [
+        f"{label}: nf4 5, int8 3, base 2; none met it: int4. Not beaten on both capacity and "
+        "KL vs base (corpus, nats): nf4, int8, base."
+    ]
+    report["variants"][2]["row"]["capacity_rate_p128"] = 2.5  # nf4: slower than int8 now
+    text = [s for s in recommendation(report) if s.startswith(label)]
+    assert text[0].endswith("KL vs base (corpus, nats): int8, base.")

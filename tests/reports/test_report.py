@@ -183,10 +183,27 @@ def test_load_points_and_kv_saturation(small_run: Run) -> None:
             assert v["row"][f"saturation_p{p}"] == first
         if v["name"] == "shop-lora":  # hot-loaded on the base's server, ran every request
             chats = len(report["answers"]["shop-lora"])  # its chat answers, asked first
-            assert load["adapter_requests"] == sum(p["requests"] for p in load["points"]) + chats
+            every = [*load["points"], *load["rate_points"]]
+            every += [p for c in load["capacity"].values() for p in c["searched"]]
+            assert load["adapter_requests"] == sum(p["requests"] for p in every) + chats
         # 32 clients x 64 tokens need 4x the 512-token cache: the longer prompts must saturate
         assert load["saturation"]["48"]["measured_concurrency"] is not None
         assert v["row"]["p95_e2e_c16_p48"] == points[(16, 48)]["e2e"]["p95"]
+        assert v["row"]["p95_itl_c16_p48"] == points[(16, 48)]["itl"]["p95"]
+        # open-loop points at the recipe's rate, and the capacity within its SLO
+        assert [(p["request_rate"], p["prompt_len"]) for p in load["rate_points"]] == [
+            (30, 16),
+            (30, 48),
+        ]
+        for p in PROMPT_LENS:
+            cap = load["capacity"][str(p)]
+            assert cap["slo"] == {"ttft_p95_s": 2.0} and len(cap["searched"]) == 2
+            assert v["row"][f"capacity_rate_p{p}"] == cap["request_rate"]
+            assert v["row"][f"capacity_conc_p{p}"] == cap["concurrency"]
+            met = [c for c in CONCURRENCY if points[(c, p)]["ttft"]["p95"] <= 2.0]
+            assert cap["concurrency"] == max(met)
+        assert v["row"]["failed_requests"] == 0
+    assert report["problems"] == []
 
 
 def test_server_check_agrees(small_run: Run) -> None:
