@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -24,28 +24,26 @@ SLO_KEYS = {"ttft": "ttft_p95_s", "itl": "itl_p95_s", "e2el": "e2e_p95_s"}
 """`--slo` keys (vllm bench serve's metric names) and the recipe's `slo` fields."""
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give comma-separated integers, e.g. 1,4,16"
-        ) from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers")
-    return values
+def _positive_list(kind: type, example: str) -> Callable[[str], list]:
+    """An argparse type: comma-separated positive, finite numbers of `kind`."""
+    noun = "integers" if kind is int else "numbers"
+
+    def parse(text: str) -> list:
+        try:
+            values = [kind(x) for x in text.split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give comma-separated {noun}, e.g. {example}"
+            ) from None
+        if not values or any(not 0 < v < float("inf") for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: give positive, finite {noun}")
+        return values
+
+    return parse
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give comma-separated numbers, e.g. 0.5,1,2"
-        ) from None
-    if not values or any(not v > 0 or v == float("inf") for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive, finite numbers")
-    return values
+_ints = _positive_list(int, "1,4,16")
+_floats = _positive_list(float, "0.5,1,2")
 
 
 def _slo_bound(text: str) -> tuple[str, float]:

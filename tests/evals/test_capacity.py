@@ -175,6 +175,8 @@ def test_bench_flags_become_load_settings() -> None:
         (["--slo", "ttft:-5"], "positive milliseconds"),
         (["--request-rate", "0"], "positive, finite numbers"),
         (["--request-rate", "fast"], "comma-separated numbers"),
+        (["--concurrency", "0,4"], "positive, finite integers"),
+        (["--prompt-len", "1.5"], "comma-separated integers, e.g. 1,4,16"),
     ],
 )
 def test_bad_bench_flags_name_the_fix(
