@@ -181,12 +181,46 @@ def kv_vs_concurrency(entries: list[Entry]) -> go.Figure:
     return fig
 
 
+def capacity_vs_quality(entries: list[Entry], quality_key: str, lower_better: bool) -> go.Figure:
+    """Per prompt length with an SLO, each variant's highest request rate within it against the
+    quality axis (one trace per variant, one marker per prompt length)."""
+    fig = go.Figure()
+    for i, e in enumerate(entries):
+        rates = sorted(
+            (int(k.removeprefix("capacity_rate_p")), v)
+            for k, v in e["row"].items()
+            if k.startswith("capacity_rate_p") and v is not None
+        )
+        quality = e["row"].get(quality_key)
+        if not rates or quality is None:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=[r for _, r in rates],
+                y=[quality] * len(rates),
+                text=[f"prompt {n}" for n, _ in rates],
+                mode="markers",
+                name=e["label"],
+                marker={"size": 12, "color": _colour(i),
+                        "symbol": "circle-open" if e.get("off_axis") else "circle"},
+            )
+        )  # fmt: skip
+    fig.update_layout(
+        title="Capacity within the SLO against quality",
+        xaxis_title="highest request rate within the SLO (req/s)",
+        yaxis_title=f"{quality_key} ({'lower' if lower_better else 'higher'} is better)",
+    )
+    return fig
+
+
 def all_figures(entries: list[Entry], quality_key: str | None, lower_better: bool) -> dict:
     """{plot id: figure}; the quality plot only when a quality metric exists, the load plots
-    only when some entry has a load benchmark."""
+    only when some entry has a load benchmark, the capacity plot only when one has a capacity."""
     figs: dict[str, go.Figure] = {}
     if quality_key:
         figs["quality"] = quality_vs_memory(entries, quality_key, lower_better)
+        if any(k.startswith("capacity_rate_p") for e in entries for k in e["row"]):
+            figs["capacity"] = capacity_vs_quality(entries, quality_key, lower_better)
     if any(e.get("load") for e in entries):
         figs["throughput"] = throughput_vs_concurrency(entries)
         figs["latency"] = p95_vs_concurrency(entries)

@@ -138,6 +138,13 @@ def test_dashboard_in_a_real_browser(
     kv_names = _traces(browser, "kv")
     assert kv_names[: len(expected) * len(lens)] == [label for label in expected for _ in lens]
     assert sum(name.endswith(" estimate") for name in kv_names) == len(expected) * len(lens)
+    with_capacity = [
+        f"{run} / {v['name']}"
+        for run, r in reports.items()
+        for v in r["variants"]
+        if any(x is not None for k, x in v["row"].items() if k.startswith("capacity_rate_p"))
+    ]
+    assert with_capacity and _traces(browser, "capacity") == with_capacity
 
     # sort by weight memory: ascending, then descending on a second click
     weights = {

@@ -252,7 +252,7 @@ def test_markdown_and_html(small_run: Run) -> None:
     assert paired[: paired.index("</table>")].count("<tr>") == 1 + len(
         report["comparisons"]["rows"]
     )
-    for plot in ("quality", "throughput", "latency", "kv"):
+    for plot in ("quality", "throughput", "latency", "kv", "capacity"):
         assert f'id="plot-{plot}"' in page
     assert (small_run.report_dir / "plotly.min.js").stat().st_size > 1_000_000
 
