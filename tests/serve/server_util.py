@@ -110,3 +110,40 @@ def start_subprocess_server(
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc=proc)
     return proc, url
+
+
+def slow_steps_until_abort(server: ThreadServer, monkeypatch: object) -> list[str]:
+    """Slow every engine step to 20 ms until the HTTP layer asks for an abort, so a long request
+    is still running when its client leaves, however fast the machine; returns the request ids
+    whose abort was asked (filled as it happens)."""
+    asked: list[str] = []
+    real_step, real_abort = server.engine.engine.step, server.engine.abort
+
+    def step():  # type: ignore[no-untyped-def]
+        if not asked:
+            time.sleep(0.02)
+        return real_step()
+
+    async def abort(request_id: str) -> None:
+        asked.append(request_id)
+        await real_abort(request_id)
+
+    monkeypatch.setattr(server.engine.engine, "step", step)  # type: ignore[attr-defined]
+    monkeypatch.setattr(server.engine, "abort", abort)  # type: ignore[attr-defined]
+    return asked
+
+
+def slow_steps_for(server: ThreadServer, seconds: float) -> None:
+    """Slow every engine step to 50 ms for the next `seconds`: requests sent at once in that
+    time all arrive before any of them can finish, however fast the machine."""
+    engine = server.engine.engine
+    real_step = getattr(engine, "_unslowed_step", engine.step)
+    engine._unslowed_step = real_step  # type: ignore[attr-defined]
+    until = time.monotonic() + seconds
+
+    def step():  # type: ignore[no-untyped-def]
+        if time.monotonic() < until:
+            time.sleep(0.05)
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]

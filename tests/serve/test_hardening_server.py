@@ -17,7 +17,7 @@ import torch
 from serve.core.sampling_params import SamplingParams
 from serve.http import completions, serving
 from serve.model.sampler import SampleInput, Sampler
-from tests.serve.server_util import ThreadServer, start_thread_server
+from tests.serve.server_util import ThreadServer, slow_steps_until_abort, start_thread_server
 from tests.serve.test_server import metrics
 
 GREEDY = {"model": "test-model", "prompt": [11, 12, 13, 14], "max_tokens": 8, "temperature": 0}
@@ -164,9 +164,10 @@ def test_repeated_step_failures_make_health_unhealthy_until_a_step_succeeds(
 
 
 def test_client_disconnect_aborts_a_non_streaming_request_behind_the_api_key(
-    server: ThreadServer,
+    server: ThreadServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     wait_idle(server)
+    asked = slow_steps_until_abort(server, monkeypatch)  # still running when the client leaves
     before = metrics(server.url, "k")
     body = b'{"model": "test-model", "prompt": [11, 12], "max_tokens": 480, "ignore_eos": true}'
     host, port = server.url.removeprefix("http://").split(":")
@@ -188,7 +189,7 @@ def test_client_disconnect_aborts_a_non_streaming_request_behind_the_api_key(
     generated = after["workbench:generation_tokens_total"] - before.get(
         "workbench:generation_tokens_total", 0
     )
-    assert aborted == 1 and generated < 480
+    assert aborted == 1 and generated < 480 and len(asked) == 1
 
 
 # --- 5. edge input that gave 500 ---
