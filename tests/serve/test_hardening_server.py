@@ -254,8 +254,11 @@ def test_chat_content_as_text_parts_equals_plain_content(server: ThreadServer) -
 # --- 6. gauges after aborts ---
 
 
-def test_gauges_drop_when_the_last_running_requests_are_aborted(server: ThreadServer) -> None:
+def test_gauges_drop_when_the_last_running_requests_are_aborted(
+    server: ThreadServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     wait_idle(server)
+    slow_steps_until_abort(server, monkeypatch)  # still running while the gauges are read
     body = {**GREEDY, "max_tokens": 480, "ignore_eos": True, "stream": True}
     with httpx.stream(
         "POST",
