@@ -58,6 +58,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         ServerSettings,
         SPELLING,
         {"model_name": "the variant name or dir name", "api_key": f"${API_KEY_ENV}"},
+        skip=("bind_host",),
     )
     g = p.add_argument_group("engine")
     add_config_flags(g, ModelConfig, SPELLING, skip=("model",))
@@ -174,7 +175,9 @@ def run_server(args: argparse.Namespace) -> int:
     )
     name = getattr(args, "model_name", None) or served_name(args.model)
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
-    settings = config_from_args(ServerSettings, args, model_name=name, api_key=api_key)
+    settings = config_from_args(
+        ServerSettings, args, model_name=name, api_key=api_key, bind_host=args.host
+    )
     engine = build_engine(args)
     app = build_app(AsyncEngine(engine, ServerMetrics(name)), settings)
     block_size = engine.cache_config.block_size

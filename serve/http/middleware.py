@@ -1,4 +1,5 @@
-"""ASGI middleware of the HTTP server: the body limit (and JSON by default) and the API key.
+"""ASGI middleware of the HTTP server: the body limit (and JSON by default), the API key, and
+the cross-site guard (Origin and Host checks).
 
 Both are plain ASGI callables, not `BaseHTTPMiddleware`: that one wraps `receive`, so a route
 never sees `http.disconnect` and a non-streaming request whose client left would run to its end.
@@ -7,6 +8,7 @@ never sees `http.disconnect` and a non-streaming request whose client left would
 from __future__ import annotations
 
 import hmac
+from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -98,5 +100,76 @@ class ApiKey:
                 "missing or wrong API key: send Authorization: Bearer <key>",
                 code="invalid_api_key",
             )
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_NAMES or host.startswith("127.")
+
+
+def _host_name(host: str) -> str:
+    """The name of a Host header value: `[::1]:8000` -> `::1`, `Example.com:80` -> `example.com`."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class CrossSiteGuard:
+    """Refuses what a web page the user visits could send: a request whose `Origin` is neither
+    this server nor an allowed origin (browsers send it on every cross-site POST, even the
+    "simple" text/plain ones that skip the CORS preflight), and, on a loopback-bound server, a
+    `Host` that is not a loopback name or an allowed host (DNS rebinding: a page whose domain
+    now resolves to 127.0.0.1). Clients that are not browsers send no Origin and are unaffected.
+    Allowed origins get CORS headers (starlette's `CORSMiddleware`, inside this guard)."""
+
+    def __init__(
+        self, app: ASGIApp, allowed_origins: str | None, allowed_hosts: str | None, bind_host: str
+    ) -> None:
+        self.origins = {o.strip().rstrip("/") for o in (allowed_origins or "").split(",")} - {""}
+        hosts = {_host_name(h) for h in (allowed_hosts or "").split(",")} - {""}
+        self.hosts: frozenset[str] | None = (
+            None
+            if "*" in hosts or not is_loopback(_host_name(bind_host))
+            else LOOPBACK_NAMES | hosts
+        )
+        if self.origins:
+            from starlette.middleware.cors import CORSMiddleware
+
+            app = CORSMiddleware(
+                app, allow_origins=sorted(self.origins), allow_methods=["*"], allow_headers=["*"]
+            )
+        self.app = app
+
+    def problem(self, scope: Scope) -> str | None:
+        headers = dict(scope["headers"])
+        host = headers.get(b"host", b"").decode("latin-1")
+        name = _host_name(host)
+        if self.hosts is not None and host and not is_loopback(name) and name not in self.hosts:
+            return (
+                f"Host {host!r} is not a loopback name: a loopback-bound server answers "
+                f"only to localhost / 127.0.0.1 / [::1]; allow it with --allowed-hosts {name}"
+            )
+        origin = headers.get(b"origin")
+        if origin is None:
+            return None
+        text = origin.decode("latin-1").strip().rstrip("/")
+        if "*" in self.origins or text in self.origins:
+            return None
+        parts = urlsplit(text)
+        if host and parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower():
+            return None  # same origin
+        return (
+            f"cross-origin request from {text!r} refused (a web page may not call this server); "
+            f"allow it with --allowed-origins {text}"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (problem := self.problem(scope)) is not None:
+            response = error_response(403, problem, code="forbidden_origin")
             return await response(scope, receive, send)
         await self.app(scope, receive, send)

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from serve.engine.async_engine import AsyncEngine
 from serve.http import adapters, chat, completions
 from serve.http.errors import add_error_handlers
-from serve.http.middleware import ApiKey, BodyLimit
+from serve.http.middleware import ApiKey, BodyLimit, CrossSiteGuard
 from serve.http.protocol import now
 from serve.http.state import Server, ServerSettings, ServerState
 
@@ -76,7 +76,13 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="workbench server", lifespan=lifespan)
     app.state.server = ServerState(engine, settings)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    app.add_middleware(ApiKey, key=settings.api_key)  # outermost: no body is read without the key
+    app.add_middleware(ApiKey, key=settings.api_key)  # no body is read without the key
+    app.add_middleware(  # outermost: a foreign page learns nothing, not even whether a key is set
+        CrossSiteGuard,
+        allowed_origins=settings.allowed_origins,
+        allowed_hosts=settings.allowed_hosts,
+        bind_host=settings.bind_host,
+    )
     add_error_handlers(app)
     for routes in (router, completions.router, chat.router, adapters.router):
         app.include_router(routes)

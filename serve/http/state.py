@@ -36,6 +36,14 @@ class ServerSettings:
     allow_any_lora_path: bool = False
     """Allow POST /v1/load_lora_adapter from any path the server can read (without this or
     `lora_root`, loading adapters over HTTP is refused)."""
+    allowed_origins: str | None = None
+    """Comma-separated browser origins allowed to call the API (CORS), e.g.
+    http://localhost:3000, or * for any; a request from any other page is refused (403)."""
+    allowed_hosts: str | None = None
+    """Comma-separated Host names accepted besides the loopback ones when the server is bound
+    to loopback (a DNS-rebinding guard), e.g. the name a proxy forwards; * accepts any."""
+    bind_host: str = "127.0.0.1"
+    """The address the server is bound to (`--host`): the Host check applies on loopback."""
 
     def __post_init__(self) -> None:
         check_fields(self)
