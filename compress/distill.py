@@ -21,7 +21,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from compress.artifact import Artifact, copy_side_files
 from compress.data import check_data_in_context, load_texts, perplexity, token_rows
 from compress.registry import Step, StepContext, StepError, StepParams, register
-from compress.training import TrainConfig, train
+from compress.training import TrainConfig, resolve_precision, train
 
 
 class DistillParams(StepParams):
@@ -41,8 +41,9 @@ class DistillParams(StepParams):
     lr: float = Field(default=3e-3, gt=0)
     batch_size: int = Field(default=16, gt=0)
     seq_len: int = Field(default=128, gt=1)
-    mixed_precision: Literal["no", "bf16"] = "no"
-    """`bf16`: train under bfloat16 autocast (float32 master weights)."""
+    mixed_precision: Literal["no", "bf16", "auto"] = "no"
+    """`bf16`: train under bfloat16 autocast (float32 master weights); `auto`: bf16 where this
+    machine computes it fast (a GPU, an AVX-512 CPU), float32 elsewhere."""
     eval_every: int = Field(default=100, ge=0)
     checkpoint_every: int = Field(default=100, ge=0)
 
@@ -116,7 +117,7 @@ def _distill_loss(
         out = student(input_ids=batch, labels=batch)
         if not p.kd:
             return out.loss
-        bf16 = p.mixed_precision == "bf16"
+        bf16 = resolve_precision(p.mixed_precision) == "bf16"
         with torch.no_grad(), torch.autocast(batch.device.type, torch.bfloat16, enabled=bf16):
             t_logits = teacher(input_ids=batch).logits
         s = F.log_softmax(out.logits[:, :-1].flatten(0, 1) / p.temperature, -1)
@@ -190,5 +191,6 @@ class Distill(Step):
             "validation_perplexity_by_step": result.validation,
             "resumed_from_step": result.resumed_from,
             "teacher_validation_perplexity": perplexity(teacher, val),
+            "mixed_precision": resolve_precision(p.mixed_precision),
         }
         return Artifact(ctx.out_dir, "model", info)

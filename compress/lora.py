@@ -19,7 +19,7 @@ from compress.artifact import Artifact, copy_side_files
 from compress.data import NO_DATA, DataCatalog, check_data_in_context, load_texts, token_rows
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.targets import as_peft_regex, select
-from compress.training import TrainConfig, train
+from compress.training import TrainConfig, resolve_precision, train
 
 UNTRAINABLE_QUANTIZATION = ("int8-wo", "rtn", "gptq", "awq", "hqq", "mixed")
 """Quantized inputs LoRA training refuses: accelerate's `save_state` fails on torchao's int8
@@ -47,8 +47,9 @@ class LoraParams(StepParams):
     lr: float = Field(default=2e-3, gt=0)
     batch_size: int = Field(default=8, gt=0)
     seq_len: int = Field(default=128, gt=1)
-    mixed_precision: Literal["no", "bf16"] = "no"
-    """`bf16`: train under bfloat16 autocast (float32 master weights)."""
+    mixed_precision: Literal["no", "bf16", "auto"] = "no"
+    """`bf16`: train under bfloat16 autocast (float32 master weights); `auto`: bf16 where this
+    machine computes it fast (a GPU, an AVX-512 CPU), float32 elsewhere."""
 
     @field_validator("data", "replay_data")
     @classmethod
@@ -144,6 +145,7 @@ class Lora(Step):
             "final_loss": result.losses[-1],
             "resumed_from_step": result.resumed_from,
             "qlora": bool(artifact.quantization),
+            "mixed_precision": resolve_precision(p.mixed_precision),
         }
         return Artifact(
             ctx.out_dir, "adapter", info, base=artifact.path, quantization=artifact.quantization

@@ -121,8 +121,9 @@ class Evals(_Strict):
     max_length: PositiveInt | None = None
     """Longest context lm-eval scores (the rolling-perplexity window); default: the base's
     `max_position_embeddings`, at most 2048."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """The float dtype lm-eval scores in (bfloat16 halves its time on CPUs with avx512_bf16)."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """The float dtype lm-eval scores in (bfloat16 halves its time on CPUs with avx512_bf16,
+    and is emulated, 4x slower, on AVX2-only ones); `auto`: bfloat16 where it is fast."""
     batch_size: PositiveInt = 16
     """lm-eval's batch size."""
     divergence: DivergenceEval | None = None
@@ -164,7 +165,15 @@ class Evals(_Strict):
     def quality_key(self) -> list[Any]:
         """The quality settings as JSON values, for cache keys."""
         tasks = [t if isinstance(t, str) else t.model_dump() for t in self.quality]
-        return [tasks, self.dtype, self.batch_size]
+        return [tasks, self.quality_dtype(), self.batch_size]
+
+    def quality_dtype(self) -> str:
+        """`dtype` as this machine runs it (`auto` resolved)."""
+        if self.dtype != "auto":
+            return self.dtype
+        from compress.training import fast_bf16
+
+        return "bfloat16" if fast_bf16() else "float32"
 
     def task_names(self) -> list[str]:
         return [_as_spec(t).task for t in self.quality]

@@ -63,7 +63,7 @@ def measure_quality(evals: Evals, variant: VariantResult) -> QualityResult:
     from evals.quality import evaluate_model, item_scores, summarize
 
     started = time.perf_counter()
-    model, tokenizer = load_model(variant, evals.dtype)
+    model, tokenizer = load_model(variant, evals.quality_dtype())
     max_length = eval_max_length(evals, variant)
     results = evaluate_model(
         model, tokenizer, evals.task_requests(), max_length, batch_size=evals.batch_size
@@ -74,7 +74,7 @@ def measure_quality(evals: Evals, variant: VariantResult) -> QualityResult:
         tasks={name: TaskScore.from_json(scores) for name, scores in tasks.items()},
         items={name: ItemScores.from_json(i) for name, i in items.items() if i is not None},
         max_length=max_length,
-        dtype=evals.dtype,
+        dtype=evals.quality_dtype(),
         lm_eval_version=lm_eval_version,
         seconds=round(time.perf_counter() - started, 2),
     )
