@@ -191,9 +191,9 @@ async def measure_point(
     drive: Callable[[Send], Awaitable[None]],
     seed: int,
     connections: int,
-) -> tuple[Point, int]:
-    """(the point, the most requests in flight at once) of `requests` sent as `drive` says;
-    the point's `concurrency` is left to the caller."""
+) -> Point:
+    """The point of `requests` sent as `drive` says; its `concurrency` is the most requests in
+    flight at once (a closed-loop caller sets its client count)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(*PROMPT_TOKEN_RANGE) for _ in range(p)] for _ in range(requests)]
     timings: list[RequestTiming] = []
@@ -230,7 +230,7 @@ async def measure_point(
         await watch_task
     tokens = sum(t.output_tokens for t in timings)
     queued = watcher.increase(COUNTERS[1])
-    point = Point(
+    return Point(
         concurrency=most,
         prompt_len=p,
         max_tokens=max_tokens,
@@ -249,7 +249,6 @@ async def measure_point(
         failed=failed,
         saturated=queued > 0,
     )
-    return point, most
 
 
 async def run_point(
@@ -257,7 +256,7 @@ async def run_point(
 ) -> Point:
     """A closed-loop point: `c` clients."""
     drive = closed_loop(c, requests)
-    point, _ = await measure_point(
+    point = await measure_point(
         url, model, p, max_tokens, requests, drive, seed * 1000 + c * 7 + p, c
     )
     return point.model_copy(update={"concurrency": c})
@@ -268,7 +267,7 @@ async def run_rate_point(
 ) -> Point:
     """An open-loop point: Poisson arrivals at `rate` requests per second."""
     drive = poisson_arrivals(rate, requests, seed * 1000 + p)
-    point, _ = await measure_point(
+    point = await measure_point(
         url, model, p, max_tokens, requests, drive, seed * 1000 + p, requests
     )
     return point.model_copy(update={"request_rate": rate})

@@ -210,9 +210,7 @@ def print_summary(result: LoadResult) -> None:
         f"{'load':>8} {'prompt':>6} {'req/s':>7} {'tok/s':>8} {'ttft p50':>9} {'ttft p95':>9} "
         f"{'itl p95':>8} {'e2e p95':>8} {'kv peak':>7} {'failed':>6}"
     )
-    capacity = result.capacity or {}
-    searched = [p for c in capacity.values() for p in c.searched]
-    for p in [*result.points, *(result.rate_points or []), *searched]:
+    for p in result.every_point():
         load = f"{p.request_rate:g}/s" if p.request_rate else f"c={p.concurrency}"
         itl = p.itl.p95 if p.itl else float("nan")
         print(
@@ -226,7 +224,7 @@ def print_summary(result: LoadResult) -> None:
             f"prompt {length}: saturation at concurrency {sat.measured_concurrency} "
             f"(estimate from KV budget: {'unknown' if estimate is None else f'{estimate:.1f}'})"
         )
-    for length, cap in capacity.items():
+    for length, cap in (result.capacity or {}).items():
         bounds = ", ".join(f"{k} <= {v:g}" for k, v in cap.slo.items())
         rate = "none met it" if cap.request_rate is None else f"{cap.request_rate:.3g} req/s"
         print(
@@ -237,7 +235,4 @@ def print_summary(result: LoadResult) -> None:
 
 def failed_requests(result: LoadResult) -> int:
     """Requests that failed at any point of the run."""
-    capacity = result.capacity or {}
-    points = [*result.points, *(result.rate_points or [])]
-    points += [p for c in capacity.values() for p in c.searched]
-    return sum(p.failed for p in points)
+    return sum(p.failed for p in result.every_point())

@@ -171,6 +171,11 @@ class LoadResult(Record):
     adapter_requests: Omitted[float] = None
     """An adapter variant: requests its server ran with it (proof the adapter, not the base, ran)."""
 
+    def every_point(self) -> list[Point]:
+        """The ramp's points, then the open-loop ones, then the SLO searches'."""
+        searched = [p for c in (self.capacity or {}).values() for p in c.searched]
+        return [*self.points, *(self.rate_points or []), *searched]
+
     def at(self, prompt_len: int, concurrency: int) -> Point | None:
         return next(
             (p for p in self.points if p.prompt_len == prompt_len and p.concurrency == concurrency),

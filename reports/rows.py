@@ -32,14 +32,12 @@ def load_columns(load: LoadResult | None, reference_concurrency: int = 16) -> di
     if not load:
         return {}
     capacity = load.capacity or {}
-    everything = [*load.points, *(load.rate_points or [])]
-    everything += [p for c in capacity.values() for p in c.searched]
     row: dict[str, Any] = {
         "kv_bytes_per_token": load.server.kv_bytes_per_token,
         "kv_tokens": load.kv_tokens,
         "peak_output_tok_s": max(p.output_throughput for p in load.points),
         "peak_req_s": max(p.request_throughput for p in load.points),
-        "failed_requests": sum(p.failed for p in everything),
+        "failed_requests": sum(p.failed for p in load.every_point()),
     }
     for length, cap in capacity.items():
         row[f"capacity_conc_p{length}"] = cap.concurrency
