@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 from evals import paired
-from evals.results import VariantEvals
+from evals.results import ItemScores, VariantEvals
 from reports.metrics import Metric
 
 
@@ -29,10 +29,14 @@ def reference_name(names: list[str], divergence_reference: str | None) -> str | 
     return names[0] if names else None
 
 
+def _items(evals: VariantEvals, task: str) -> ItemScores | None:
+    """A variant's per-document scores of `task` (None: not measured, or stored without them)."""
+    return evals.quality.items.get(task) if evals.quality and evals.quality.items else None
+
+
 def _accuracy(metric: Metric, ref: VariantEvals, var: VariantEvals) -> paired.Paired | None:
     task, measure = metric.source or "", metric.measure or ""
-    a = ref.quality.items.get(task) if ref.quality and ref.quality.items else None
-    b = var.quality.items.get(task) if var.quality and var.quality.items else None
+    a, b = _items(ref, task), _items(var, task)
     if a is None or b is None:
         return None
     a_scores, b_scores = a.metric(measure), b.metric(measure)
@@ -46,9 +50,7 @@ def _accuracy(metric: Metric, ref: VariantEvals, var: VariantEvals) -> paired.Pa
 
 
 def _bits_per_byte(metric: Metric, ref: VariantEvals, var: VariantEvals) -> paired.Paired | None:
-    task = metric.source or ""
-    a = ref.quality.items.get(task) if ref.quality and ref.quality.items else None
-    b = var.quality.items.get(task) if var.quality and var.quality.items else None
+    a, b = _items(ref, metric.source or ""), _items(var, metric.source or "")
     if not (a and b and a.loglikelihood and b.loglikelihood and a.bytes):
         return None
     by_id = dict(zip(b.ids, b.loglikelihood, strict=True))
