@@ -178,4 +178,4 @@ def test_smoke_real_model_pipeline(tmp_path: Path, smollm2: Path) -> None:
     assert "Paris" in report["answers"]["base"][0]["answer"]
     assert report["answers"]["nf4"][0]["completion_tokens"] > 0
     assert report["server_check"]["ok"] is True
-    assert "arc_easy (acc, n=20, validation split)" in (out / "report.md").read_text()
+    assert "arc_easy (acc_norm, n=20, validation split)" in (out / "report.md").read_text()
