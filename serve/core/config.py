@@ -122,6 +122,11 @@ class ModelConfig:
     compile: bool = False
     """Run each step's forward through `torch.compile` (`serve/model/compilation.py`): graphs for the
     step shapes are compiled at load (seconds to minutes), float models without LoRA only."""
+    generation_config: str = "auto"
+    """Default sampling settings (temperature, top_p, top_k, min_p, repetition_penalty,
+    max_new_tokens) for fields a request leaves out, and extra end-of-sequence ids: `auto`, from
+    the model's generation_config.json; `vllm`, none (the tokenizer's EOS only); or a folder
+    holding a generation_config.json."""
 
 
 DEFAULT_MAX_MODEL_LEN = 2048

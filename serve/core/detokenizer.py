@@ -7,7 +7,8 @@ back so that tokenizers which merge neighbours (SentencePiece's leading space, b
 multi-byte characters) see context. Text that ends in U+FFFD (an incomplete UTF-8 sequence) is held
 back until the bytes that complete it arrive (or the request ends: then the text is what a
 whole-output decode gives). Stop strings are searched only where a match can
-newly appear: the new text and the `longest stop - 1` characters before it.
+newly appear: the new text and the `longest stop - 1` characters before it; the text is cut
+before the first match (after it, with `include_stop`).
 """
 
 from __future__ import annotations
@@ -21,17 +22,26 @@ if TYPE_CHECKING:
 REPLACEMENT = "\ufffd"
 
 
-def decode_text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
-    """The text of `ids`, special tokens skipped."""
-    text = tokenizer.decode(ids, skip_special_tokens=True)
+def decode_text(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = True
+) -> str:
+    """The text of `ids`, special tokens skipped unless asked for."""
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     assert isinstance(text, str)  # one sequence in, one string out
     return text
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        stop: Sequence[str],
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.include_stop, self.skip_special_tokens = include_stop, skip_special_tokens
         self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.text = ""
         self.prefix_offset = 0
@@ -39,12 +49,13 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return decode_text(self.tokenizer, ids)
+        return decode_text(self.tokenizer, ids, self.skip_special_tokens)
 
-    def update(self, output_token_ids: list[int], final: bool = False) -> str:
+    def update(self, output_token_ids: list[int], final: bool = False, search: bool = True) -> str:
         """Extend `text` with what `output_token_ids` (all of them so far) add; returns the new
-        text. `final`: the request ends here, so an incomplete character is not held back.
-        After a stop string is found, `text` ends before it and `stopped` is True."""
+        text. `final`: the request ends here, so an incomplete character is not held back;
+        `search`: look for stop strings in the new text. After a stop string is found, `text`
+        ends before it (or after it, with `include_stop`) and `stopped` is True."""
         if self.stopped or len(output_token_ids) <= self.read_offset:
             return ""
         read = self._decode(output_token_ids[self.prefix_offset : self.read_offset])
@@ -55,12 +66,13 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(output_token_ids)
         start = len(self.text)
         self.text += new
-        if self.stop:
+        if self.stop and search:
             self._find_stop(max(0, start - self.longest_stop + 1))
         return self.text[start:]
 
     def _find_stop(self, search_from: int) -> None:
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        hits = [(i, len(s)) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, length = min(hits)
+            self.text = self.text[: at + length if self.include_stop else at]
             self.stopped = True

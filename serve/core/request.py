@@ -32,7 +32,8 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    """End-of-sequence ids: the tokenizer's and those the model's generation config lists."""
     adapter_id: int | None = None
     """Selects a LoRA adapter; part of every block hash, so prefixes are shared per adapter."""
     output_token_ids: list[int] = field(default_factory=list)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -9,6 +10,33 @@ SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (as in vLLM): dividing logits by a smaller one overflows."""
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """The seeds `torch.Generator.manual_seed` takes."""
+
+
+class OutputKind(enum.Enum):
+    """What each of a request's outputs carries (vLLM's `RequestOutputKind`)."""
+
+    CUMULATIVE = "cumulative"
+    """Everything so far, at every step (the offline API's tests read it)."""
+    DELTA = "delta"
+    """Only what is new since the previous output: streams."""
+    FINAL_ONLY = "final_only"
+    """One output, when the request ends: whole answers."""
+
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on the output text. `spec`: the JSON schema (as JSON text), the regex, the
+    choices (a JSON list of strings) or the Lark grammar; unused for json_object."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -34,6 +62,27 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Return the logprob of every prompt token (and this many top ones); such a request
     bypasses the prefix cache, since cached tokens are not run through the model."""
+    min_tokens: int = 0
+    """End-of-sequence and stop token ids are masked (and stop strings not looked for) until
+    this many tokens are out."""
+    min_p: float = 0.0
+    """Drop tokens whose probability (after temperature) is below min_p x the top one's."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already in the output."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it is already in the output."""
+    repetition_penalty: float = 1.0
+    """Logits of tokens in the prompt or the output: positive ones divided by it, negative ones
+    multiplied (CTRL's penalty, as transformers and vLLM apply it)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before sampling."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the request at the end of its text."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+    grammar: Grammar | None = None
+    """Only tokens that keep the output inside this grammar are sampled."""
+    output_kind: OutputKind = OutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         problems = []
@@ -53,9 +102,34 @@ class SamplingParams:
             problems.append(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         if any(not s for s in self.stop):
             problems.append("stop strings must be non-empty")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            problems.append(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            problems.append(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                problems.append(f"{name} must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in self.logit_bias):
+            problems.append("logit_bias values must be in [-100, 100]")
         if problems:
             raise ValueError("; ".join(problems))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether anything but temperature, top-k and top-p acts on the logits (so even a
+        greedy request needs its row processed before the argmax)."""
+        return bool(
+            self.min_tokens
+            or self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.grammar is not None
+        )

@@ -167,10 +167,11 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling_params
-        if token in params.stop_token_ids:
-            return FinishReason.STOP
-        if token == request.eos_token_id and not params.ignore_eos:
-            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+            if token in request.eos_token_ids and not params.ignore_eos:
+                return FinishReason.STOP
         if len(request.output_token_ids) >= params.max_tokens:
             return FinishReason.LENGTH
         if request.num_tokens >= self.max_model_len:

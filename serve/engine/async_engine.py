@@ -3,8 +3,13 @@
 Model: one thread owns the `LLMEngine` and loops: run the commands queued since the last step
 (add, abort), then `step()` if anything is unfinished, else sleep until woken. Coroutines never
 touch the engine: they queue a command and await its future. Each request's outputs are pushed
-to its own `asyncio.Queue` on the event loop. So adds and aborts take effect between steps, and
+to its own `OutputCollector` on the event loop. So adds and aborts take effect between steps, and
 a client that goes away has its request aborted (and its blocks freed) before the next step.
+
+A collector holds at most one unread output: deltas (streams) are merged into it, a final output
+replaces it. A reader that falls more than `max_unread_tokens` behind (a client that stopped
+reading its stream) has its request aborted, counted with finish reason `slow_reader`: what one
+request can hold on the server is bounded whatever its client does.
 
 A failed step (`StepFailed`) fails only the requests it scheduled; the loop goes on. After
 `UNHEALTHY_AFTER` failed steps in a row the engine reports itself unhealthy (until a step
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from serve.core.sampling_params import SamplingParams
+from serve.core.sampling_params import OutputKind, SamplingParams
 from serve.core.stats import EngineStats
 from serve.engine.llm_engine import InvalidRequest, LLMEngine, RequestOutput, StepFailed
 from serve.engine.metrics import ServerMetrics
@@ -49,12 +54,49 @@ class RequestFailed(RuntimeError):
     """The step computing this request failed; the request is ended, the engine serves on."""
 
 
+class ReaderTooSlow(RuntimeError):
+    """The client fell too far behind its stream; the request was aborted."""
+
+
+class OutputCollector:
+    """The outputs of one request not read yet, kept as one (vLLM's output collector)."""
+
+    def __init__(self, kind: OutputKind) -> None:
+        self.kind = kind
+        self.item: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Merge a delta into the unread one, else replace it; an error is never replaced."""
+        held = self.item
+        if isinstance(held, BaseException):
+            return
+        if held is not None and isinstance(item, RequestOutput) and self.kind is OutputKind.DELTA:
+            item = held.merge(item)
+        self.item = item
+        self.ready.set()
+
+    @property
+    def unread_tokens(self) -> int:
+        held = self.item
+        return len(held.token_ids) if isinstance(held, RequestOutput) else 0
+
+    async def get(self) -> RequestOutput:
+        await self.ready.wait()
+        item, self.item = self.item, None
+        self.ready.clear()
+        if isinstance(item, BaseException):
+            raise item
+        assert item is not None
+        return item
+
+
 @dataclass
 class Tracked:
-    """One request as the server sees it: its output queue and timing."""
+    """One request as the server sees it: its unread output and timing."""
 
     request_id: str
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    collector: OutputCollector
     arrival: float
     num_prompt_tokens: int
     last_token_at: float | None = None
@@ -63,8 +105,11 @@ class Tracked:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, engine: LLMEngine, metrics: ServerMetrics, max_unread_tokens: int = 4096
+    ) -> None:
         self.engine, self.metrics = engine, metrics
+        self.max_unread_tokens = max_unread_tokens
         self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
             queue.SimpleQueue()
         )
@@ -80,6 +125,9 @@ class AsyncEngine:
         object is used on both sides."""
         self.max_model_len: int = engine.max_model_len
         self.context_limit: int = engine.context_limit
+        self.vocab_size: int = engine.vocab_size
+        self.lora_enabled = engine.adapters is not None
+        self.sampling_defaults = dict(engine.sampling_defaults)
         """Fixed when the engine is built: read by coroutines without reaching the engine."""
         self._adapter_names: tuple[str, ...] = ()
         """The loaded adapter names, least recently used first, as of the last load, unload or
@@ -124,7 +172,8 @@ class AsyncEngine:
     ) -> Tracked:
         """Queue a request (on adapter `adapter`'s current version); raises `InvalidRequest`
         when it is refused and `UnknownAdapter` when the adapter is not loaded (any more)."""
-        tracked = Tracked(request_id, asyncio.Queue(), time.perf_counter(), len(prompt))
+        collector = OutputCollector(params.output_kind)
+        tracked = Tracked(request_id, collector, time.perf_counter(), len(prompt))
         self._tracked[request_id] = tracked
 
         def add() -> None:
@@ -195,8 +244,8 @@ class AsyncEngine:
     def adapter_names(self) -> list[str]:
         return list(self._adapter_names)
 
-    async def abort(self, request_id: str) -> None:
-        if self._end(request_id, "abort", time.perf_counter()) is None:
+    async def abort(self, request_id: str, reason: str = "abort") -> None:
+        if self._end(request_id, reason, time.perf_counter()) is None:
             return
         if self.dead is None:
             await self._call(lambda: self.engine.abort(request_id))
@@ -205,9 +254,7 @@ class AsyncEngine:
         """Outputs of one added request until it finishes; aborts it if the consumer leaves."""
         try:
             while True:
-                item = await tracked.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = await tracked.collector.get()
                 yield item
                 if item.finished:
                     return
@@ -252,6 +299,7 @@ class AsyncEngine:
             self.failed_steps_in_a_row = 0
             self._refresh_stats(step=True)
             now = time.perf_counter()
+            self._observe_tokens(now)
             for out in outputs:
                 self._deliver(out, now)
 
@@ -282,21 +330,47 @@ class AsyncEngine:
         for request_id in request_ids:
             tracked = self._end(request_id, "error", time.perf_counter())
             if tracked is not None:
-                self._loop.call_soon_threadsafe(tracked.queue.put_nowait, error)
+                self._loop.call_soon_threadsafe(tracked.collector.put, error)
+
+    def _observe_tokens(self, now: float) -> None:
+        """Time to first token and between tokens of every request that got tokens this step
+        (whether or not an output was returned for it)."""
+        for request_id, num_tokens in self.engine.progress.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is None or num_tokens <= tracked.num_tokens:
+                continue
+            since = now - (tracked.last_token_at or tracked.arrival)
+            first = tracked.last_token_at is None
+            self.metrics.observe_token(first, since, num_tokens - tracked.num_tokens)
+            tracked.last_token_at, tracked.num_tokens = now, num_tokens
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
         tracked = self._tracked.get(out.request_id)
         if tracked is None:  # aborted meanwhile
             return
-        new_tokens = len(out.token_ids) - tracked.num_tokens
-        if new_tokens > 0:
-            since = now - (tracked.last_token_at or tracked.arrival)
-            self.metrics.observe_token(tracked.last_token_at is None, since, new_tokens)
-            tracked.last_token_at, tracked.num_tokens = now, len(out.token_ids)
         if out.finished:
             self._end(out.request_id, out.finish_reason or "abort", now)
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(tracked.queue.put_nowait, out)
+        self._loop.call_soon_threadsafe(self._push, tracked, out)
+
+    def _push(self, tracked: Tracked, out: RequestOutput) -> None:
+        """On the event loop: hand `out` to the request's reader, or abort a request whose
+        reader has fallen more than `max_unread_tokens` behind."""
+        tracked.collector.put(out)
+        if tracked.finished or tracked.collector.unread_tokens <= self.max_unread_tokens:
+            return
+        tracked.collector.item = None
+        tracked.collector.put(
+            ReaderTooSlow(
+                f"the client read none of the last {self.max_unread_tokens} tokens of this "
+                "stream; the request was aborted (raise --max-unread-tokens to allow slower "
+                "readers)"
+            )
+        )
+        request_id = tracked.request_id
+        if self._end(request_id, "slow_reader", time.perf_counter()) and self.dead is None:
+            aborted = self._call(lambda: self.engine.abort(request_id))
+            aborted.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def _end(self, request_id: str, reason: str, now: float) -> Tracked | None:
         """Stop tracking a request and count its finish; None when it had already ended (an
@@ -310,7 +384,7 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         assert self._loop is not None
         for tracked in list(self._tracked.values()):
-            self._loop.call_soon_threadsafe(tracked.queue.put_nowait, error)
+            self._loop.call_soon_threadsafe(tracked.collector.put, error)
         while True:
             try:
                 _, future = self._inbox.get_nowait()

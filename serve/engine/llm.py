@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
-from serve.core.sampling_params import SamplingParams
+from serve.core.sampling_params import OutputKind, SamplingParams
 from serve.engine.llm_engine import InvalidRequest, LLMEngine, RequestOutput
 from serve.lora.manager import LoraConfig
 
@@ -101,7 +101,8 @@ class LLM:
         versions = [self._adapter_id(name) for name in adapters]
         ids = [f"gen-{i}" for i in range(len(batch))]
         for request_id, prompt, p, version in zip(ids, batch, params_list, versions):
-            self.engine.add_request(request_id, prompt, p, adapter_id=version)
+            final = replace(p, output_kind=OutputKind.FINAL_ONLY)  # intermediate outputs unread
+            self.engine.add_request(request_id, prompt, final, adapter_id=version)
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not progress, desc="generating", unit="req") as bar:
             while self.engine.has_unfinished_requests():

@@ -3,8 +3,10 @@
 Model: `add_request` validates and queues a request; each `step()` asks the scheduler what to
 compute, the runner computes it, the sampler picks the next token of every request whose chunk
 reached its end, and the scheduler applies the tokens (stop on eos, stop ids, max_tokens,
-max_model_len). Stop strings are checked here, on the detokenized output. `step` returns one
-`RequestOutput` per request that produced a token or finished.
+max_model_len). Each request's `RequestState` (`output_processor`) detokenizes, finds stop strings
+and decides what leaves: `step` returns one `RequestOutput` per request that produced a token or
+finished (a FINAL_ONLY request only when it finishes); `progress` says how many tokens each
+request has after the step, whatever was returned.
 
 NOTE: a step that fails between scheduling and sampling (the model, an adapter, the sampler)
 ends only the requests it scheduled: they are aborted, their blocks freed, and `StepFailed`
@@ -15,23 +17,24 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig, with_model_limit
-from serve.core.detokenizer import IncrementalDetokenizer
 from serve.core.kv_cache_manager import cdiv
 from serve.core.request import FinishReason, Request
 from serve.core.sampling_params import SamplingParams
 from serve.core.scheduler import Scheduler, SchedulerOutput
 from serve.core.stats import EngineStats
+from serve.engine.generation_defaults import GenerationDefaults
+from serve.engine.output_processor import RequestOutput, RequestState
 from serve.lora.adapter import Adapter
 from serve.lora.manager import LoraConfig
 from serve.model.compilation import why_not_compilable
 from serve.model.cpu_linear import can_prepack, prepack_linears
+from serve.model.grammar import GrammarBackend, GrammarError
 from serve.model.host_memory import keep_freed_memory
 from serve.model.model_runner import (
     ModelRunner,
@@ -43,18 +46,7 @@ from serve.model.model_runner import (
 from serve.model.sampler import SampleInput, Sampler, token_logprobs
 from serve.model.step_inputs import StepInputs
 
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    num_cached_tokens: int = 0
+__all__ = ["InvalidRequest", "LLMEngine", "RequestOutput", "StepFailed"]
 
 
 class _Clock:
@@ -115,7 +107,13 @@ class LLMEngine:
         max_loras = lora.max_loras if lora else None
         self.scheduler = Scheduler(scheduler, self.runner.num_blocks, cache.block_size, max_loras)
         self.sampler = Sampler(seed)
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        defaults = GenerationDefaults.read(hf_model, self.tokenizer, model.generation_config)
+        self.eos_token_ids = defaults.eos_token_ids
+        self.sampling_defaults = defaults.sampling
+        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self._states: dict[str, RequestState] = {}
+        self.progress: dict[str, int] = {}
+        """Output tokens of every request that got one in the last step."""
         self.timings: dict[str, float] = defaultdict(float)
         self.last_step_tokens = 0
 
@@ -150,11 +148,16 @@ class LLMEngine:
             request_id,
             token_ids,
             params,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             adapter_id=adapter_id,
         )
+        if params.grammar is not None:
+            try:
+                self.grammars.add(request_id, params.grammar)
+            except GrammarError as e:
+                raise InvalidRequest(str(e)) from e
         self.scheduler.add_request(request)
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self._states[request_id] = RequestState(request, self.tokenizer)
         return request
 
     def _validate(
@@ -172,6 +175,12 @@ class LLMEngine:
         if bad := [t for t in token_ids if not 0 <= t < self.vocab_size]:
             raise InvalidRequest(
                 f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+        if bad := [t for t in named if not 0 <= t < self.vocab_size]:
+            raise InvalidRequest(
+                f"logit_bias / stop_token_ids name token ids {bad[:5]} outside the vocabulary "
+                f"[0, {self.vocab_size})"
             )
         total = len(token_ids) + params.max_tokens
         if total > limit:
@@ -191,9 +200,11 @@ class LLMEngine:
         return self.scheduler.finish(request_id, FinishReason.ABORT) is not None
 
     def _forget(self, request_id: str) -> None:
-        """Drop what the engine keeps per request beside the scheduler: text and generator."""
-        self._detokenizers.pop(request_id, None)
+        """Drop what the engine keeps per request beside the scheduler: output state,
+        generator and grammar matcher."""
+        self._states.pop(request_id, None)
         self.sampler.release(request_id)
+        self.grammars.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -240,18 +251,28 @@ class LLMEngine:
             return {}
         requests = [self.scheduler.requests[r] for r in ids]
         rows = [inputs.sample_rows[r] for r in ids]
-        sample_inputs = [
-            SampleInput(
-                r.sampling_params, self.sampler.generator_for(r.request_id, r.sampling_params.seed)
-            )
-            for r in requests
-        ]
+        sample_inputs = [self._sample_input(r) for r in requests]
         tokens = {}
         for request, s in zip(requests, self.sampler.sample(logits[rows], sample_inputs)):
             tokens[request.request_id] = s.token_id
+            self.grammars.consume(request.request_id, s.token_id)
             if s.logprobs is not None:
                 request.logprobs.append(s.logprobs)
         return tokens
+
+    def _sample_input(self, request: Request) -> SampleInput:
+        params = request.sampling_params
+        if not params.changes_logits:
+            return SampleInput(params, self.sampler.generator_for(request.request_id, params.seed))
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        return SampleInput(
+            params,
+            self.sampler.generator_for(request.request_id, params.seed),
+            request.prompt_token_ids,
+            request.output_token_ids,
+            stop_ids,
+            self.grammars.allowed(request.request_id),
+        )
 
     def _record_prompt_logprobs(
         self, out: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
@@ -306,34 +327,23 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         done = {r.request_id for r in finished}
         outputs = []
+        self.progress = {}
         for request_id, request in requests.items():
             if request_id not in tokens and request_id not in done:
                 continue
-            detokenizer = self._detokenizers[request_id]
-            detokenizer.update(request.output_token_ids, final=request.is_finished)
-            if detokenizer.stopped and request.finish_reason is not FinishReason.STOP:
+            state = self._states[request_id]
+            if state.detokenize() and request.finish_reason is not FinishReason.STOP:
                 # a stop string outranks a length limit reached in the same step, as in vLLM
                 if request.is_finished:
                     request.finish_reason = FinishReason.STOP
                 else:
                     self.scheduler.finish(request_id, FinishReason.STOP)
-            outputs.append(self._output(request, detokenizer.text))
+            self.progress[request_id] = len(request.output_token_ids)
+            if (out := state.output()) is not None:
+                outputs.append(out)
+            if request.is_finished:
+                self._forget(request_id)
         return outputs
-
-    def _output(self, request: Request, text: str) -> RequestOutput:
-        if request.is_finished:
-            self._forget(request.request_id)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            text=text,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason.value if request.finish_reason else None,
-            logprobs=list(request.logprobs),
-            prompt_logprobs=list(request.prompt_logprobs) if request.is_finished else [],
-            num_cached_tokens=request.num_cached_tokens,
-        )
 
     def stats(self) -> EngineStats:
         return EngineStats.snapshot(self.scheduler, self.last_step_tokens)

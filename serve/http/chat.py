@@ -13,13 +13,13 @@ from transformers import PreTrainedTokenizerBase
 
 from serve.engine.async_engine import AsyncEngine, Tracked
 from serve.engine.llm_engine import RequestOutput
-from serve.http.protocol import ChatCompletionRequest, new_id
+from serve.http.protocol import ChatCompletionRequest, ChatMessage, new_id
 from serve.http.serving import (
     Job,
     RequestError,
-    TextDeltas,
     add_all,
     check_lengths,
+    checked_grammar,
     collect,
     encode,
     envelope,
@@ -34,23 +34,46 @@ from serve.http.state import Server
 router = APIRouter()
 
 
+def render_chat(
+    tok: PreTrainedTokenizerBase,
+    messages: list[ChatMessage],
+    chat_template: str | None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The conversation as the chat template writes it (None: the tokenizer's template)."""
+    turns = [m.model_dump(exclude_none=True) for m in messages]
+    try:
+        text = tok.apply_chat_template(
+            turns,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            chat_template=chat_template,
+        )
+        assert isinstance(text, str)  # tokenize=False: the rendered conversation
+    except Exception as e:  # a template that rejects the conversation (e.g. role order)
+        raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from e
+    return text
+
+
 def chat_job(
     body: ChatCompletionRequest,
     tok: PreTrainedTokenizerBase,
     max_model_len: int,
     context_limit: int,
+    defaults: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> Job:
     """Blocking (tokenizes): call it off the event loop. Without max_tokens, a choice may run to
-    `context_limit` (max_model_len, or the KV cache's size when that is smaller)."""
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        assert isinstance(text, str)  # tokenize=False: the rendered conversation
-    except Exception as e:  # a template that rejects the conversation (e.g. role order)
-        raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from e
+    `context_limit` (max_model_len, or the KV cache's size when that is smaller), or to the
+    generation config's max_new_tokens when that is less. `chat_template`: the server's
+    --chat-template (None: the tokenizer's)."""
+    defaults = defaults or {}
+    grammar = checked_grammar(body)
+    text = render_chat(tok, body.messages, chat_template)
     prompt = encode(tok, text, max_model_len, add_special_tokens=False)  # bos: the template's
     requested = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
-    max_tokens = context_limit - len(prompt) if requested is None else requested
+    room = context_limit - len(prompt)
+    max_tokens = min(room, defaults.get("max_tokens", room)) if requested is None else requested
     if max_tokens < 1 and requested is None:
         raise RequestError(
             400,
@@ -61,7 +84,10 @@ def chat_job(
         )
     check_lengths([prompt], max_tokens, max_model_len)
     top = body.top_logprobs or 0 if body.logprobs else None
-    return Job([prompt], [body.sampling_params(max_tokens, i, top) for i in range(body.n)], body.n)
+    params = [
+        body.sampling_params(max_tokens, i, top, None, defaults, grammar) for i in range(body.n)
+    ]
+    return Job([prompt], params, body.n)
 
 
 def chat_logprobs(tok: PreTrainedTokenizerBase, out: RequestOutput, top_n: int) -> dict[str, Any]:
@@ -102,7 +128,8 @@ async def chat_events(
     job: Job,
     tracked: list[Tracked],
 ) -> AsyncIterator[str]:
-    deltas, finals = TextDeltas(job.params[0].stop), {}
+    finals: dict[int, RequestOutput] = {}
+    top_n = (body.top_logprobs or 0) if body.logprobs else None
     head = envelope(rid, "chat.completion.chunk", body.model)
     for i in range(job.n):
         first = {
@@ -112,16 +139,11 @@ async def chat_events(
         }
         yield sse({**head, "choices": [first]})
     async for index, out in merged(engine, tracked):
-        text = deltas.delta(index, out)
-        if text:
-            yield sse(
-                {
-                    **head,
-                    "choices": [
-                        {"index": index, "delta": {"content": text}, "finish_reason": None}
-                    ],
-                }
-            )
+        if out.text or (top_n is not None and out.token_ids):
+            choice = {"index": index, "delta": {"content": out.text}, "finish_reason": None}
+            if top_n is not None:
+                choice["logprobs"] = chat_logprobs(engine.tokenizer, out, top_n)
+            yield sse({**head, "choices": [choice]})
         if out.finished:
             finals[index] = out
             yield sse(
@@ -140,7 +162,16 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, server: Server
 ) -> Any:
     engine, tok = server.engine, server.engine.tokenizer
-    job = await asyncio.to_thread(chat_job, body, tok, engine.max_model_len, engine.context_limit)
+    server.check_room(body.model, body.n)
+    job = await asyncio.to_thread(
+        chat_job,
+        body,
+        tok,
+        engine.max_model_len,
+        engine.context_limit,
+        engine.sampling_defaults,
+        server.chat_template,
+    )
     job = dataclasses.replace(job, adapter=server.admit(body.model, len(job.params)))
     rid = new_id("chatcmpl")
     tracked = await add_all(engine, rid, job)

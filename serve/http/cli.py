@@ -20,6 +20,7 @@ from serve.engine.llm_engine import InvalidRequest, LLMEngine
 from serve.engine.metrics import ServerMetrics
 from serve.http.flags import add_config_flags, config_from_args, given, int_in
 from serve.http.server import ServerSettings, build_app
+from serve.http.state import read_chat_template
 from serve.lora.adapter import AdapterError
 from serve.lora.manager import LoraConfig
 
@@ -178,8 +179,12 @@ def run_server(args: argparse.Namespace) -> int:
     settings = config_from_args(
         ServerSettings, args, model_name=name, api_key=api_key, bind_host=args.host
     )
+    try:
+        read_chat_template(settings.chat_template)
+    except ValueError as e:
+        raise SystemExit(f"workbench serve: {e}") from None
     engine = build_engine(args)
-    app = build_app(AsyncEngine(engine, ServerMetrics(name)), settings)
+    app = build_app(AsyncEngine(engine, ServerMetrics(name), settings.max_unread_tokens), settings)
     block_size = engine.cache_config.block_size
     logging.getLogger("workbench").info(
         "serving %r: %d KV blocks of %d tokens (%d tokens, %.1f MiB)",

@@ -18,9 +18,9 @@ from serve.http.protocol import CompletionRequest, new_id
 from serve.http.serving import (
     Job,
     RequestError,
-    TextDeltas,
     add_all,
     check_lengths,
+    checked_grammar,
     collect,
     encode,
     envelope,
@@ -36,19 +36,26 @@ router = APIRouter()
 
 
 def completion_job(
-    body: CompletionRequest, tok: PreTrainedTokenizerBase, max_model_len: int
+    body: CompletionRequest,
+    tok: PreTrainedTokenizerBase,
+    max_model_len: int,
+    defaults: dict[str, Any] | None = None,
 ) -> Job:
-    """Blocking (tokenizes): call it off the event loop."""
+    """Blocking (tokenizes): call it off the event loop. `defaults`: the model's generation
+    config, for the sampling fields the request leaves out (max_tokens: its max_new_tokens, else
+    16, OpenAI's default)."""
+    defaults = defaults or {}
+    grammar = checked_grammar(body)
     prompts = [
         encode(tok, p, max_model_len) if isinstance(p, str) else list(p) for p in body.prompts()
     ]
     if any(not p for p in prompts):
         raise RequestError(400, "a prompt tokenizes to no tokens; send text or token ids", "prompt")
-    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    max_tokens = defaults.get("max_tokens", 16) if body.max_tokens is None else body.max_tokens
     check_lengths(prompts, max_tokens, max_model_len)
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = [
-        body.sampling_params(max_tokens, i, body.logprobs, prompt_logprobs)
+        body.sampling_params(max_tokens, i, body.logprobs, prompt_logprobs, defaults, grammar)
         for _ in prompts
         for i in range(body.n)
     ]
@@ -58,7 +65,8 @@ def completion_job(
 def completion_logprobs(
     tok: PreTrainedTokenizerBase, out: RequestOutput, echo: bool, offset: int
 ) -> dict[str, Any]:
-    """The legacy completions `logprobs` object; with echo, prompt tokens come first (the first
+    """The legacy completions `logprobs` object (of a whole output or of a stream's delta,
+    whose text starts at character `offset`); with echo, prompt tokens come first (the first
     prompt token has no logprob: None), as lm-eval's loglikelihood requests expect."""
     ids = (out.prompt_token_ids if echo else []) + out.token_ids
     per_token = (out.prompt_logprobs if echo else []) + list(out.logprobs)
@@ -101,21 +109,25 @@ async def completion_events(
     job: Job,
     tracked: list[Tracked],
 ) -> AsyncIterator[str]:
-    deltas, finals = TextDeltas(job.params[0].stop), {}
+    finals: dict[int, RequestOutput] = {}
+    offsets: dict[int, int] = {}
+    """Characters of each choice's text sent so far (logprobs' text_offset)."""
+    want_logprobs = body.logprobs is not None
     head = envelope(rid, "text_completion", body.model)
     async for index, out in merged(engine, tracked):
-        text = deltas.delta(index, out)
-        if job.echo and index not in deltas.sent_prompt:
-            deltas.sent_prompt.add(index)
-            text = decode_text(tok, out.prompt_token_ids) + text
-        if text or out.finished:
+        echo = job.echo and index not in offsets
+        text = (decode_text(tok, out.prompt_token_ids) if echo else "") + out.text
+        if text or out.finished or (want_logprobs and out.token_ids):
+            offset = offsets.get(index, 0)
+            logprobs = completion_logprobs(tok, out, echo, offset) if want_logprobs else None
             choice = {
                 "index": index,
                 "text": text,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": out.finish_reason,
             }
             yield sse({**head, "choices": [choice]})
+        offsets[index] = offsets.get(index, 0) + len(text)
         if out.finished:
             finals[index] = out
     if body.stream_options and body.stream_options.include_usage:
@@ -126,7 +138,9 @@ async def completion_events(
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, server: Server) -> Any:
     engine, tok = server.engine, server.engine.tokenizer
-    job = await asyncio.to_thread(completion_job, body, tok, engine.max_model_len)
+    server.check_room(body.model, len(body.prompts()) * body.n)
+    defaults = engine.sampling_defaults
+    job = await asyncio.to_thread(completion_job, body, tok, engine.max_model_len, defaults)
     job = dataclasses.replace(job, adapter=server.admit(body.model, len(job.params)))
     rid = new_id("cmpl")
     tracked = await add_all(engine, rid, job)

@@ -9,16 +9,23 @@ implement are accepted only at their neutral value.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve.core.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from serve.core.sampling_params import SEED_MAX, SEED_MIN, Grammar, OutputKind, SamplingParams
 
 MAX_N = 16
 MAX_PATH_CHARS = 4096
+MAX_PROMPTS = 2048
+"""Prompts in one completions request (OpenAI's limit for a list of inputs)."""
+MAX_TOKEN_LIST = 1024
+"""Entries of logit_bias and of stop_token_ids."""
+MAX_CHOICES = 256
+"""Choices of a structured `choice` constraint."""
 
 
 def _check_text(value: Any) -> None:
@@ -40,7 +47,7 @@ def _check_text(value: Any) -> None:
             _check_text(item)
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     @field_validator("*", mode="after")
@@ -50,17 +57,91 @@ class _Strict(BaseModel):
         return value
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+class JsonSchemaFormat(Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON under a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('give json_schema exactly when type is "json_schema"')
+        return self
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs` extension: exactly one constraint."""
+
+    json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: str | None = None
+    """A Lark grammar (llguidance's dialect)."""
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of json, regex, choice, grammar, json_object; got "
+                f"{[g.rstrip('_') for g in given] or 'none'}"
+            )
+        return self
+
+    def to_grammar(self) -> Grammar:
+        if self.json_ is not None:
+            schema = json.loads(self.json_) if isinstance(self.json_, str) else self.json_
+            return Grammar("json_schema", json.dumps(schema, sort_keys=True))
+        if self.regex is not None:
+            return Grammar("regex", self.regex)
+        if self.choice is not None:
+            return Grammar("choice", json.dumps(self.choice))
+        if self.grammar is not None:
+            return Grammar("lark", self.grammar)
+        return Grammar("json_object")
+
+
+class SamplingFields(Strict):
     model: str
     max_tokens: Annotated[int, Field(ge=0)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=1)] | None = None
     """An extension (as in vLLM): keep the k most likely tokens."""
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """An extension (as in vLLM)."""
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0
+    """An extension (as in vLLM)."""
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    """An extension (as in vLLM): no end-of-sequence, stop id or stop string before this many."""
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_TOKEN_LIST)] | None = None
+    """Token id (as a string, as OpenAI sends it) -> bias in [-100, 100]."""
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_TOKEN_LIST)] | None = None
+    """An extension (as in vLLM): end the request after any of these tokens."""
+    include_stop_str_in_output: bool = False
+    """An extension (as in vLLM)."""
+    skip_special_tokens: bool = True
+    """An extension (as in vLLM)."""
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    """An extension (as in vLLM): a JSON schema, regex, choice list or Lark grammar."""
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     """Choice i of n samples with seed + i (mod 2**64)."""
     stop: str | list[str] | None = None
@@ -70,15 +151,47 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     """An extension (as in vLLM)."""
     user: str | None = None
-    presence_penalty: float = 0
-    frequency_penalty: float = 0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("penalties are not implemented by this server; leave them at 0")
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return value
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingFields:
+        if self.structured_outputs is not None and self.grammar_from_format() is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def grammar_from_format(self) -> Grammar | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.json_schema is None:
+            return Grammar("json_object")
+        return Grammar("json_schema", json.dumps(fmt.json_schema.schema_, sort_keys=True))
+
+    def grammar(self) -> Grammar | None:
+        """The output constraint the request asks for (None: free text)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.to_grammar()
+        return self.grammar_from_format()
+
+    def with_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """The sampling fields the request set, the others from `defaults` (the model's
+        generation config) where it has them."""
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        return {
+            n: getattr(self, n) if n in self.model_fields_set else defaults.get(n, getattr(self, n))
+            for n in names
+        }
 
     @field_validator("stop")
     @classmethod
@@ -96,22 +209,32 @@ class _SamplingFields(_Strict):
         index: int,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        defaults: dict[str, Any] | None = None,
+        grammar: Grammar | None = None,
     ) -> SamplingParams:
-        """Choice `index` of `n`: a seeded request gets seed + index, so choices differ."""
+        """Choice `index` of `n`: a seeded request gets seed + index, so choices differ.
+        `defaults`: the model's generation config, for fields the request leaves out."""
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            **self.with_defaults(defaults or {}),
             seed=None if self.seed is None else (self.seed + index) % 2**64,
             stop=tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            min_tokens=min(self.min_tokens, max_tokens),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            grammar=grammar,
+            output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY,
         )
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
@@ -121,6 +244,12 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _not_empty(cls, value: Any) -> Any:
+        many = isinstance(value, list) and value and isinstance(value[0], list | str)
+        if many and len(value) > MAX_PROMPTS:
+            raise ValueError(
+                f"{len(value)} prompts in one request; at most {MAX_PROMPTS}: split them "
+                "into several requests"
+            )
         if (
             value == ""
             or value == []
@@ -138,7 +267,7 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     role: Literal["system", "user", "assistant"]
     content: str | list[dict[str, Any]]
     """Text, or a list of content parts of which only `{"type": "text", "text": ...}` is taken
@@ -167,7 +296,7 @@ class ChatMessage(_Strict):
         return "\n".join(texts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -203,7 +332,7 @@ LoraName = Annotated[
 ]
 
 
-class LoadLoraRequest(_Strict):
+class LoadLoraRequest(Strict):
     lora_name: LoraName
     lora_path: Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]
     evict: bool = False
@@ -218,5 +347,5 @@ class LoadLoraRequest(_Strict):
         return value
 
 
-class UnloadLoraRequest(_Strict):
+class UnloadLoraRequest(Strict):
     lora_name: Annotated[str, Field(min_length=1, max_length=128)]

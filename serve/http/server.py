@@ -21,11 +21,11 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from serve.engine.async_engine import AsyncEngine
-from serve.http import adapters, chat, completions
+from serve.http import adapters, chat, completions, tokens
 from serve.http.errors import add_error_handlers
 from serve.http.middleware import ApiKey, BodyLimit, CrossSiteGuard
 from serve.http.protocol import now
-from serve.http.state import Server, ServerSettings, ServerState
+from serve.http.state import Server, ServerSettings, ServerState, read_chat_template
 
 router = APIRouter()
 
@@ -74,7 +74,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         engine.stop()
 
     app = FastAPI(title="workbench server", lifespan=lifespan)
-    app.state.server = ServerState(engine, settings)
+    app.state.server = ServerState(engine, settings, read_chat_template(settings.chat_template))
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(ApiKey, key=settings.api_key)  # no body is read without the key
     app.add_middleware(  # outermost: a foreign page learns nothing, not even whether a key is set
@@ -84,7 +84,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         bind_host=settings.bind_host,
     )
     add_error_handlers(app)
-    for routes in (router, completions.router, chat.router, adapters.router):
+    for routes in (router, completions.router, chat.router, adapters.router, tokens.router):
         app.include_router(routes)
     return app
 

@@ -3,8 +3,10 @@
 Model: one HTTP request becomes `len(prompts) * n` engine requests (choice i of prompt p is
 request `{id}-{p}-{i}`). They are all added before anything is returned, so a refused one turns
 into a 400 and the others are aborted. Non-streaming answers wait for all of them (and abort all
-if the client disconnects); streaming answers merge their outputs into one server-sent-event
-stream, holding back text that could still become a stop string.
+if the client disconnects) and get one final output per choice; streaming answers merge the
+choices' deltas into one server-sent-event stream, reading a choice's next delta only when the
+previous one has been sent (so a client that stops reading stops the reading, and the engine's
+bound on unread tokens applies).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
-from serve.core.sampling_params import SamplingParams
+from serve.core.sampling_params import Grammar, SamplingParams
 from serve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed, Tracked
 from serve.engine.llm_engine import RequestOutput
-from serve.http.protocol import error_body, now
+from serve.http.protocol import SamplingFields, error_body, now
+from serve.model.grammar import GrammarError, grammar_text
 
 
 class ClientGone(Exception):
@@ -134,39 +137,40 @@ async def merged(
     engine: AsyncEngine, tracked: list[Tracked]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, output) from all choices as they come; aborts the rest if closed early."""
-    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
-
-    async def pump(index: int, t: Tracked) -> None:
-        try:
-            async for out in engine.stream(t):
-                queue.put_nowait((index, out))
-        except Exception as e:
-            queue.put_nowait(e)
-        finally:
-            queue.put_nowait(None)
-
-    tasks = [asyncio.ensure_future(pump(i, t)) for i, t in enumerate(tracked)]
-    remaining = len(tasks)
+    reads = {asyncio.ensure_future(t.collector.get()): i for i, t in enumerate(tracked)}
     try:
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
+        while reads:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for read in done:
+                index = reads.pop(read)
+                out = read.result()
+                yield index, out
+                if not out.finished:
+                    reads[asyncio.ensure_future(tracked[index].collector.get())] = index
     finally:
-        for task in tasks:
-            task.cancel()
+        for read in reads:
+            read.cancel()
         for t in tracked:
             if not t.finished:
                 await asyncio.shield(engine.abort(t.request_id))
 
 
+def checked_grammar(body: SamplingFields) -> Grammar | None:
+    """The request's output constraint, checked (blocking the first time a grammar is seen:
+    call it off the event loop); a constraint the server cannot honour is a 400 naming it."""
+    grammar = body.grammar()
+    if grammar is not None:
+        try:
+            grammar_text(grammar)
+        except GrammarError as e:
+            param = "structured_outputs" if body.structured_outputs else "response_format"
+            raise RequestError(400, str(e), param) from e
+    return grammar
+
+
 def usage(outputs: list[RequestOutput], prompts: list[list[int]]) -> dict[str, int]:
     prompt_tokens = sum(len(p) for p in prompts)
-    completion = sum(len(o.token_ids) for o in outputs)
+    completion = sum(o.num_output_tokens for o in outputs)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
@@ -181,26 +185,6 @@ def envelope(request_id: str, kind: str, model: str) -> dict[str, Any]:
 
 def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
-
-
-class TextDeltas:
-    """Streamed text per choice, holding back a tail that could still start a stop string or
-    that ends in an incomplete multi-byte character."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.sent: dict[int, int] = {}
-        self.sent_prompt: set[int] = set()
-        """Choices whose echoed prompt has been sent."""
-
-    def delta(self, index: int, out: RequestOutput) -> str:
-        text = out.text
-        if not out.finished:  # a trailing U+FFFD is a multi-byte character not complete yet
-            text = text.rstrip("\ufffd")
-        upto = len(text) if out.finished else max(0, len(text) - self.hold)
-        start = self.sent.get(index, 0)
-        self.sent[index] = max(start, upto)
-        return out.text[start:upto]
 
 
 def token_strings(tok: PreTrainedTokenizerBase, ids: list[int]) -> list[str]:

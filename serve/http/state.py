@@ -44,6 +44,11 @@ class ServerSettings:
     to loopback (a DNS-rebinding guard), e.g. the name a proxy forwards; * accepts any."""
     bind_host: str = "127.0.0.1"
     """The address the server is bound to (`--host`): the Host check applies on loopback."""
+    chat_template: str | None = None
+    """A Jinja chat template, or a file holding one, used instead of the model's."""
+    max_unread_tokens: Positive = 4096
+    """Tokens a streaming client may fall behind before its request is aborted (counted
+    with finish reason slow_reader): bounds what one stream holds on the server."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -66,21 +71,44 @@ def model_not_found(model: str, base: str) -> RequestError:
     )
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's text, or the template itself (as vLLM takes it)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if "{" not in value and "\n" not in value:
+        try:
+            return path.read_text()
+        except OSError as e:
+            raise ValueError(
+                f"--chat-template {value!r}: cannot read it as a file ({e.strerror}) and it is "
+                "not a Jinja template; give a template file or the template text"
+            ) from None
+    return value
+
+
 @dataclass(frozen=True)
 class ServerState:
     engine: AsyncEngine
     settings: ServerSettings
+    chat_template: str | None = None
+    """The --chat-template's text (None: the tokenizer's own)."""
 
-    def admit(self, model: str, num_requests: int) -> str | None:
-        """The adapter the request runs on (None: the base); 404 / 503 when it cannot run."""
+    def check_room(self, model: str, num_requests: int) -> None:
+        """404 / 503 now, before any work, when the request could not be admitted; `admit`
+        decides (again) when the requests are added, with nothing awaited in between."""
         engine, base = self.engine, self.settings.model_name
         if model != base and model not in engine.adapter_names():
             raise model_not_found(model, base)
         queued = engine.num_unfinished - engine.stats.num_running
         if queued + num_requests > self.settings.max_waiting:
             raise Busy(self.settings.max_waiting)
-        if model != base:
-            engine.metrics.observe_lora_request(model)
+
+    def admit(self, model: str, num_requests: int) -> str | None:
+        """The adapter the request runs on (None: the base); 404 / 503 when it cannot run."""
+        self.check_room(model, num_requests)
+        if model != self.settings.model_name:
+            self.engine.metrics.observe_lora_request(model)
             return model
         return None
 

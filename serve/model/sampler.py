@@ -1,9 +1,11 @@
 """Turn each sampling request's logits row into its next token (and its logprobs).
 
-Model: greedy rows take the argmax (the fast path when every row is greedy). Other rows are
-divided by their temperature, cut to top-k then top-p, and drawn from with the request's own
-generator when it has a seed (so its samples do not depend on the batch around it) or with the
-engine's generator otherwise. Logprobs come from the unmodified logits, as in vLLM.
+Model: a row is first processed by what changes logits (`logits_processors.process`: grammar,
+min_tokens, logit bias, penalties); greedy rows then take the argmax (the fast path when every
+row is greedy and nothing changes its logits). Other rows are divided by their temperature, cut
+by min-p, top-k and top-p, and drawn from with the request's own generator when it has a seed (so
+its samples do not depend on the batch around it) or with the engine's generator otherwise.
+Logprobs come from the unmodified logits, as in vLLM.
 
 NOTE: no logits row can make the sampler fail: top-p always keeps the most likely token, a row
 whose probabilities are not finite (a NaN from the model, an overflow) falls back to its argmax,
@@ -13,11 +15,13 @@ and logprobs that are not finite are reported as `MIN_LOGPROB` (JSON has no -inf
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from serve.core.sampling_params import SamplingParams
+from serve.model.logits_processors import process, truncate
 
 MIN_LOGPROB = -9999.0
 """Reported instead of -inf or NaN (as vLLM does)."""
@@ -27,6 +31,17 @@ MIN_LOGPROB = -9999.0
 class SampleInput:
     params: SamplingParams
     generator: torch.Generator | None
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    stop_token_ids: Collection[int] = ()
+    """End-of-sequence and stop ids: masked while fewer than min_tokens are out."""
+    allowed: torch.Tensor | None = None
+    """The tokens a grammar allows next (bool, [vocab]); None: any."""
+
+    @property
+    def plain(self) -> bool:
+        """Greedy, and nothing changes the logits: the argmax of the raw row."""
+        return self.params.greedy and not self.params.changes_logits
 
 
 @dataclass(frozen=True)
@@ -34,20 +49,6 @@ class Sampled:
     token_id: int
     logprobs: dict[int, float] | None
     """The sampled token's logprob and the top-N, when the request asked for logprobs."""
-
-
-def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    logits = logits / params.temperature
-    if params.top_k is not None and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
-        drop[0] = False  # NOTE: a top_p below float32's resolution would otherwise drop all
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    return logits
 
 
 def token_logprobs(row: torch.Tensor, token_id: int, top_n: int) -> dict[int, float]:
@@ -84,7 +85,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, inputs: list[SampleInput]) -> list[Sampled]:
         """logits: float32 [len(inputs), vocab], on any device."""
-        if all(i.params.greedy for i in inputs):
+        if all(i.plain for i in inputs):
             token_ids = logits.argmax(-1).tolist()
         else:
             token_ids = [self._one(row, i) for row, i in zip(logits.cpu(), inputs)]
@@ -99,9 +100,20 @@ class Sampler:
         ]
 
     def _one(self, row: torch.Tensor, item: SampleInput) -> int:
-        if item.params.greedy:
+        if item.plain:
             return int(row.argmax())
-        probs = _filter(row, item.params).softmax(-1)
+        if item.params.changes_logits:
+            row = process(
+                row,
+                item.params,
+                item.prompt_token_ids,
+                item.output_token_ids,
+                item.stop_token_ids,
+                item.allowed,
+            )
+        if item.params.greedy:
+            return int(row.nan_to_num(nan=float("-inf")).argmax())
+        probs = truncate(row, item.params).softmax(-1)
         if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
             return int(row.nan_to_num(nan=float("-inf")).argmax())
         return int(torch.multinomial(probs, 1, generator=item.generator or self.generator))

@@ -112,7 +112,9 @@ def test_ignore_eos_keeps_generating() -> None:
 
     s = Scheduler(SchedulerConfig(), num_blocks=8, block_size=4)
     s.add_request(
-        Request("a", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True), eos_token_id=1)
+        Request(
+            "a", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True), eos_token_ids=frozenset({1})
+        )
     )
     for _ in range(3):
         out = s.schedule()

@@ -22,7 +22,9 @@ def scheduler(
 
 def req(rid: str, n: int, max_tokens: int = 4, first: int = 10) -> Request:
     tokens = list(range(first, first + n))
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens), eos_token_id=EOS)
+    return Request(
+        rid, tokens, SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({EOS})
+    )
 
 
 def fake_tokens(out: SchedulerOutput, token: int = 7) -> dict[str, int]:

@@ -247,10 +247,65 @@ BAD = [
     ),
     ("logprobs over 5", {"model": "test-model", "prompt": "a", "logprobs": 9}, 400, "logprobs"),
     (
-        "unsupported penalty",
-        {"model": "test-model", "prompt": "a", "presence_penalty": 0.5},
+        "penalty out of range",
+        {"model": "test-model", "prompt": "a", "presence_penalty": 2.5},
         400,
         "presence_penalty",
+    ),
+    (
+        "logit_bias key not a token id",
+        {"model": "test-model", "prompt": "a", "logit_bias": {"hello": 1}},
+        400,
+        "logit_bias keys are token ids",
+    ),
+    (
+        "logit_bias token outside vocab",
+        {"model": "test-model", "prompt": "a", "logit_bias": {"999999": 1}},
+        400,
+        "outside the vocabulary",
+    ),
+    (
+        "logit_bias value too large",
+        {"model": "test-model", "prompt": "a", "logit_bias": {"7": 101}},
+        400,
+        "[-100, 100]",
+    ),
+    (
+        "stop_token_ids outside vocab",
+        {"model": "test-model", "prompt": "a", "stop_token_ids": [10**7]},
+        400,
+        "outside the vocabulary",
+    ),
+    (
+        "json schema the server cannot enforce",
+        {
+            "model": "test-model",
+            "prompt": "a",
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "if": {}, "then": {}}},
+            },
+        },
+        400,
+        "cannot be enforced",
+    ),
+    (
+        "regex that does not parse",
+        {"model": "test-model", "prompt": "a", "structured_outputs": {"regex": "a("}},
+        400,
+        "unclosed group",
+    ),
+    (
+        "two structured constraints",
+        {"model": "test-model", "prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+        400,
+        "exactly one of",
+    ),
+    (
+        "too many prompts",
+        {"model": "test-model", "prompt": [[5]] * 3000},
+        400,
+        "at most 2048",
     ),
     ("oversized body", {"model": "test-model", "prompt": "x" * (5 << 20)}, 413, "over the limit"),
 ]

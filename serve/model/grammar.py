@@ -1,0 +1,110 @@
+"""Structured output through llguidance: a grammar per request, a token mask per step.
+
+Model: a `Grammar` (JSON schema, any JSON object, regex, a list of choices, Lark) is turned into
+llguidance's grammar text and checked once per distinct grammar (`grammar_text`, cached), before
+the request reaches the engine, so a construct llguidance cannot honour is a client error naming
+it. Each request then gets its own `LLMatcher` (its parser state); before every sampling step the
+matcher gives the set of tokens that keep the output inside the grammar, and after it consumes the
+sampled token. Once the grammar is complete only end-of-sequence is allowed, so a request ends by
+itself. JSON is compact (no free whitespace between tokens), so a model cannot spend its tokens
+on blank lines.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from serve.core.sampling_params import Grammar
+
+if TYPE_CHECKING:
+    import llguidance
+    from transformers import PreTrainedTokenizerBase
+
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """A grammar this server cannot honour; the message names the construct."""
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as e:  # pragma: no cover - a declared dependency
+        raise GrammarError("structured output needs the llguidance package") from e
+    return llguidance
+
+
+@functools.lru_cache(maxsize=256)
+def grammar_text(grammar: Grammar) -> str:
+    """llguidance's grammar for `grammar`, checked; raises `GrammarError` naming the problem."""
+    llg = _llguidance()
+    kind, spec = grammar.kind, grammar.spec
+    try:
+        if kind == "json_object":
+            text = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
+        elif kind == "json_schema":
+            text = llg.LLMatcher.grammar_from_json_schema(json.loads(spec), JSON_OPTIONS)
+        elif kind == "regex":
+            text = llg.LLMatcher.grammar_from_regex(spec)
+        elif kind == "choice":
+            choices = json.loads(spec)
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+            text = llg.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        else:
+            text = llg.LLMatcher.grammar_from_lark(spec)
+    except ValueError as e:
+        raise GrammarError(f"the {kind} is not valid: {e}") from e
+    error = llg.LLMatcher.validate_grammar(text)
+    if error:
+        raise GrammarError(f"the {kind} cannot be enforced by this server: {error}")
+    return text
+
+
+class GrammarBackend:
+    """The engine's side: the tokenizer as llguidance sees it (built on first use, about a
+    second) and one matcher per constrained request."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: list[int]
+    ) -> None:
+        self.hf_tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self.matchers: dict[str, llguidance.LLMatcher] = {}
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            llg = _llguidance()
+            self._tokenizer = llg.hf.from_tokenizer(
+                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids
+            )
+        return self._tokenizer
+
+    def add(self, request_id: str, grammar: Grammar) -> None:
+        llg = _llguidance()
+        matcher = llg.LLMatcher(self._llg_tokenizer(), grammar_text(grammar), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"the {grammar.kind} cannot be enforced: {matcher.get_error()}")
+        self.matchers[request_id] = matcher
+
+    def release(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+    def allowed(self, request_id: str) -> torch.Tensor | None:
+        """The tokens request `request_id` may sample next (bool [vocab]); None: no grammar."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None:
+            return None
+        words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+        bits = (words.unsqueeze(-1) >> self._bits) & 1
+        return bits.flatten()[: self.vocab_size].bool()
+
+    def consume(self, request_id: str, token_id: int) -> None:
+        matcher = self.matchers.get(request_id)
+        if matcher is not None:
+            matcher.consume_token(token_id)
