@@ -82,7 +82,7 @@ def chat_job(
             param="messages",
             code="context_length_exceeded",
         )
-    check_lengths([prompt], max_tokens, max_model_len)
+    check_lengths([prompt], max_tokens, max_model_len, body.min_tokens)
     top = body.top_logprobs or 0 if body.logprobs else None
     params = [
         body.sampling_params(max_tokens, i, top, None, defaults, grammar) for i in range(body.n)

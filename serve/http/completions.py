@@ -52,7 +52,7 @@ def completion_job(
     if any(not p for p in prompts):
         raise RequestError(400, "a prompt tokenizes to no tokens; send text or token ids", "prompt")
     max_tokens = defaults.get("max_tokens", 16) if body.max_tokens is None else body.max_tokens
-    check_lengths(prompts, max_tokens, max_model_len)
+    check_lengths(prompts, max_tokens, max_model_len, body.min_tokens)
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = [
         body.sampling_params(max_tokens, i, body.logprobs, prompt_logprobs, defaults, grammar)
@@ -111,15 +111,19 @@ async def completion_events(
 ) -> AsyncIterator[str]:
     finals: dict[int, RequestOutput] = {}
     offsets: dict[int, int] = {}
-    """Characters of each choice's text sent so far (logprobs' text_offset)."""
+    """Per choice, the characters of the token strings sent so far (logprobs' text_offset,
+    which counts token strings, as the whole answer's does)."""
     want_logprobs = body.logprobs is not None
     head = envelope(rid, "text_completion", body.model)
     async for index, out in merged(engine, tracked):
         echo = job.echo and index not in offsets
         text = (decode_text(tok, out.prompt_token_ids) if echo else "") + out.text
-        if text or out.finished or (want_logprobs and out.token_ids):
-            offset = offsets.get(index, 0)
-            logprobs = completion_logprobs(tok, out, echo, offset) if want_logprobs else None
+        logprobs = None
+        if want_logprobs:
+            logprobs = completion_logprobs(tok, out, echo, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+        offsets.setdefault(index, 0)
+        if text or out.finished or (logprobs and logprobs["tokens"]):
             choice = {
                 "index": index,
                 "text": text,
@@ -127,7 +131,6 @@ async def completion_events(
                 "finish_reason": out.finish_reason,
             }
             yield sse({**head, "choices": [choice]})
-        offsets[index] = offsets.get(index, 0) + len(text)
         if out.finished:
             finals[index] = out
     if body.stream_options and body.stream_options.include_usage:

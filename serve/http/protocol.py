@@ -94,6 +94,19 @@ class StructuredOutputs(Strict):
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
+    @field_validator("json_")
+    @classmethod
+    def _json_text(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | None:
+        if not isinstance(value, str):
+            return value
+        try:
+            schema = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"json is a string but not JSON ({e}); send the schema") from None
+        if not isinstance(schema, dict):
+            raise ValueError("json must be a JSON schema object")
+        return schema
+
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
         given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -107,8 +120,7 @@ class StructuredOutputs(Strict):
 
     def to_grammar(self) -> Grammar:
         if self.json_ is not None:
-            schema = json.loads(self.json_) if isinstance(self.json_, str) else self.json_
-            return Grammar("json_schema", json.dumps(schema, sort_keys=True))
+            return Grammar("json_schema", json.dumps(self.json_, sort_keys=True))
         if self.regex is not None:
             return Grammar("regex", self.regex)
         if self.choice is not None:
@@ -223,7 +235,7 @@ class SamplingFields(Strict):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            min_tokens=min(self.min_tokens, max_tokens),
+            min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),

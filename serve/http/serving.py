@@ -55,7 +55,16 @@ class Job:
     """The LoRA adapter every choice runs on (None: the base model)."""
 
 
-def check_lengths(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> None:
+def check_lengths(
+    prompts: list[list[int]], max_tokens: int, max_model_len: int, min_tokens: int = 0
+) -> None:
+    if min_tokens > max_tokens:
+        raise RequestError(
+            400,
+            f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens}); lower min_tokens "
+            "or raise max_tokens",
+            param="min_tokens",
+        )
     for p in prompts:
         if len(p) + max_tokens > max_model_len:
             raise RequestError(

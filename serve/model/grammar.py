@@ -34,6 +34,7 @@ class GrammarError(ValueError):
 def _llguidance() -> Any:
     try:
         import llguidance
+        import llguidance.hf
     except ImportError as e:  # pragma: no cover - a declared dependency
         raise GrammarError("structured output needs the llguidance package") from e
     return llguidance

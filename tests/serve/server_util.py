@@ -48,18 +48,22 @@ def start_thread_server(
     max_num_seqs: int = 64,
     max_model_len: int = 512,
     lora: LoraConfig | None = None,
+    generation_config: str = "auto",
     **settings: object,
 ) -> ThreadServer:
     engine = LLMEngine(
-        ModelConfig(str(model_dir), dtype="float32", device="cpu"),
+        ModelConfig(
+            str(model_dir), dtype="float32", device="cpu", generation_config=generation_config
+        ),
         CacheConfig(block_size=16, num_blocks=num_blocks),
         SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=max_model_len
         ),
         lora=lora,
     )
-    async_engine = AsyncEngine(engine, ServerMetrics(name))
-    app = build_app(async_engine, ServerSettings(name, **settings))  # type: ignore[arg-type]
+    server_settings = ServerSettings(name, **settings)  # type: ignore[arg-type]
+    async_engine = AsyncEngine(engine, ServerMetrics(name), server_settings.max_unread_tokens)
+    app = build_app(async_engine, server_settings)
     sock = free_socket()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -54,6 +54,17 @@ FIELDS = {
         "echo",
         "user",
         "best_of",
+        "min_p",
+        "min_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "response_format",
+        "structured_outputs",
     ],
     "/v1/chat/completions": [
         "model",
@@ -69,9 +80,22 @@ FIELDS = {
         "logprobs",
         "top_logprobs",
         "ignore_eos",
+        "min_p",
+        "min_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "response_format",
+        "structured_outputs",
     ],
     "/v1/load_lora_adapter": ["lora_name", "lora_path", "evict"],
     "/v1/unload_lora_adapter": ["lora_name"],
+    "/tokenize": ["model", "prompt", "messages", "add_special_tokens", "return_token_strs"],
+    "/detokenize": ["model", "tokens"],
 }
 GOOD_VALUES = {
     "model": st.sampled_from(["test-model", "nope", "fz"]),
@@ -109,6 +133,41 @@ GOOD_VALUES = {
     "n": st.integers(-1, 20),
     "logprobs": st.integers(-1, 25) | st.booleans(),
     "top_logprobs": st.integers(-1, 25),
+    "min_p": st.floats(-0.5, 1.5),
+    "min_tokens": st.integers(-1, 100),
+    "presence_penalty": st.floats(-3, 3),
+    "frequency_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.floats(-1, 11),
+    "logit_bias": st.dictionaries(
+        st.sampled_from(["5", "31", "-1", "x", "99999999", "0"]), st.floats(-150, 150), max_size=3
+    ),
+    "stop_token_ids": st.lists(st.integers(-5, 10**7), max_size=4),
+    "tokens": st.lists(st.integers(-5, 10**6), max_size=20),
+    "response_format": st.sampled_from(
+        [
+            {"type": "text"},
+            {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "integer"}}},
+            {"type": "json_schema", "json_schema": {"name": "s", "schema": {"if": {}}}},
+            {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nope"}}},
+            {"type": "json_schema"},
+            {"type": "xml"},
+        ]
+    ),
+    "structured_outputs": st.sampled_from(
+        [
+            {"regex": "[ab]{1,3}"},
+            {"regex": "a("},
+            {"choice": ["x", "y"]},
+            {"choice": []},
+            {"grammar": 'start: "q"'},
+            {"grammar": "start: ??"},
+            {"json": {"type": "object"}},
+            {"json": "{not json"},
+            {"json_object": True},
+            {"regex": "a", "choice": ["b"]},
+        ]
+    ),
     "lora_name": st.sampled_from(["fz", "a/b", "", "test-model", "x" * 200]),
     "lora_path": st.sampled_from(["fz", "missing", "", "/etc", "../outside", "a\x00b"]),
 }
@@ -123,6 +182,8 @@ VALID = {
     },
     "/v1/load_lora_adapter": {"lora_name": "fz", "lora_path": "fz"},
     "/v1/unload_lora_adapter": {"lora_name": "fz"},
+    "/tokenize": {"model": "test-model", "prompt": "hello"},
+    "/detokenize": {"model": "test-model", "tokens": [31, 32]},
 }
 
 

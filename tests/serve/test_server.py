@@ -297,9 +297,25 @@ BAD = [
     ),
     (
         "two structured constraints",
-        {"model": "test-model", "prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+        {
+            "model": "test-model",
+            "prompt": "a",
+            "structured_outputs": {"regex": "a", "choice": ["b"]},
+        },
         400,
         "exactly one of",
+    ),
+    (
+        "structured json string that is not JSON",
+        {"model": "test-model", "prompt": "a", "structured_outputs": {"json": "{not json"}},
+        400,
+        "not JSON",
+    ),
+    (
+        "min_tokens above max_tokens",
+        {"model": "test-model", "prompt": "a", "min_tokens": 50, "max_tokens": 4},
+        400,
+        "min_tokens (50) is more than max_tokens (4)",
     ),
     (
         "too many prompts",
