@@ -2,10 +2,11 @@
 posted to the same server (issue: tokenizing a 3 MB prompt on the event loop stalled every
 stream for seconds).
 
-`python -m evals.stall_bench [--model DIR] [--megabytes 3] [--rounds 2]`: serves the model on
-127.0.0.1 (uvicorn in a thread, as `workbench serve` does), streams 480 greedy tokens, posts the
-big prompt after the 20th chunk, and prints per round the longest gap between chunks from then
-on, the median gap, and how long the big request took to be answered.
+`python -m evals.stall_bench [--model DIR] [--megabytes 3] [--rounds 2] [--body text|prompts]`:
+serves the model on 127.0.0.1 (uvicorn in a thread, as `workbench serve` does), streams 480
+greedy tokens, posts the big body after the 20th chunk, and prints per round the longest gap
+between chunks from then on, the median gap, and how long the big request took to be answered.
+`--body prompts` posts issue 23's case instead: `{"prompt": [[5]] x 300,000, "n": 16}` (1.5 MB).
 """
 
 from __future__ import annotations
@@ -45,17 +46,19 @@ def serve_in_thread(model: Path, max_model_len: int) -> tuple[str, uvicorn.Serve
     return url, server
 
 
-def one_round(url: str, megabytes: float) -> dict[str, float]:
+def big_body(kind: str, megabytes: float) -> dict:
+    if kind == "prompts":
+        return {"model": "m", "prompt": [[5]] * 300_000, "n": 16}
     text = "the quick brown fox jumps. " * int(megabytes * 1e6 / 27)
+    return {"model": "m", "prompt": text, "max_tokens": 4}
+
+
+def one_round(url: str, big: dict) -> dict[str, float]:
     answered: dict[str, float] = {}
 
     def post_big() -> None:
         start = time.perf_counter()
-        r = httpx.post(
-            f"{url}/v1/completions",
-            json={"model": "m", "prompt": text, "max_tokens": 4},
-            timeout=300,
-        )
+        r = httpx.post(f"{url}/v1/completions", json=big, timeout=300)
         answered.update(seconds=time.perf_counter() - start, status=r.status_code)
 
     body = {"model": "m", "prompt": [11, 12], "max_tokens": 480, "ignore_eos": True}
@@ -85,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--megabytes", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--body", choices=["text", "prompts"], default="text")
     args = parser.parse_args(argv)
     if args.model is None:
         from catalog import ensure_demo_model
@@ -92,11 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         args.model = ensure_demo_model("demo-tiny")
     url, server = serve_in_thread(args.model, args.max_model_len)
     try:
+        big = big_body(args.body, args.megabytes)
+        what = "300k-prompt body" if args.body == "prompts" else f"{args.megabytes:g} MB prompt"
         for i in range(args.rounds):
-            r = one_round(url, args.megabytes)
+            r = one_round(url, big)
             print(
                 f"round {i + 1}: longest gap between chunks {r['max_gap_s'] * 1000:.0f} ms "
-                f"(median {r['median_gap_s'] * 1000:.1f} ms); the {args.megabytes:g} MB prompt "
+                f"(median {r['median_gap_s'] * 1000:.1f} ms); the {what} "
                 f"answered {r['big_prompt_status']:.0f} after {r['big_prompt_s']:.2f} s"
             )
     finally:

@@ -227,10 +227,12 @@ class LLMEngine:
         return outputs
 
     def _compute(self, out: SchedulerOutput, clock: _Clock) -> dict[str, int]:
-        """Run the model over the scheduled chunks and sample: {request id: next token}."""
+        """Run the model over the scheduled chunks and sample: {request id: next token}.
+        Grammar masks are computed beside the model's forward."""
+        masks = self.grammars.start_masks([c.request_id for c in out.chunks if c.sample])
         inputs, logits = self.runner.execute(out)
         clock.lap("model")
-        tokens = self._sample(inputs, logits)
+        tokens = self._sample(inputs, logits, masks.result() if masks is not None else {})
         self._record_prompt_logprobs(out, inputs, logits)
         clock.lap("sample")
         return tokens
@@ -244,14 +246,16 @@ class LLMEngine:
             self.adapters.forget_slots()
         return StepFailed(ids, cause)
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> dict[str, int]:
+    def _sample(
+        self, inputs: StepInputs, logits: torch.Tensor, masks: dict[str, torch.Tensor]
+    ) -> dict[str, int]:
         """Sample for every request whose chunk reached its end and that wants a token."""
         ids = [r for r in inputs.sample_rows if self._wants_token(r)]
         if not ids:
             return {}
         requests = [self.scheduler.requests[r] for r in ids]
         rows = [inputs.sample_rows[r] for r in ids]
-        sample_inputs = [self._sample_input(r) for r in requests]
+        sample_inputs = [self._sample_input(r, masks.get(r.request_id)) for r in requests]
         tokens = {}
         for request, s in zip(requests, self.sampler.sample(logits[rows], sample_inputs)):
             tokens[request.request_id] = s.token_id
@@ -260,7 +264,7 @@ class LLMEngine:
                 request.logprobs.append(s.logprobs)
         return tokens
 
-    def _sample_input(self, request: Request) -> SampleInput:
+    def _sample_input(self, request: Request, allowed: torch.Tensor | None) -> SampleInput:
         params = request.sampling_params
         if not params.changes_logits:
             return SampleInput(params, self.sampler.generator_for(request.request_id, params.seed))
@@ -271,7 +275,7 @@ class LLMEngine:
             request.prompt_token_ids,
             request.output_token_ids,
             stop_ids,
-            self.grammars.allowed(request.request_id),
+            allowed,
         )
 
     def _record_prompt_logprobs(

@@ -3,9 +3,10 @@
 Model: a `Grammar` (JSON schema, any JSON object, regex, a list of choices, Lark) is turned into
 llguidance's grammar text and checked once per distinct grammar (`grammar_text`, cached), before
 the request reaches the engine, so a construct llguidance cannot honour is a client error naming
-it. Each request then gets its own `LLMatcher` (its parser state); before every sampling step the
-matcher gives the set of tokens that keep the output inside the grammar, and after it consumes the
-sampled token. Once the grammar is complete only end-of-sequence is allowed, so a request ends by
+it. Each request then gets its own `LLMatcher` (its parser state). A step's masks (the tokens that
+keep each output inside its grammar) are computed in a worker thread while the model runs
+(`start_masks`; llguidance releases the GIL), one batched call for all constrained requests; after
+sampling each matcher consumes its token. Once the grammar is complete only end-of-sequence is allowed, so a request ends by
 itself. JSON is compact (no free whitespace between tokens), so a model cannot spend its tokens
 on blank lines.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -77,6 +79,8 @@ class GrammarBackend:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self.matchers: dict[str, llguidance.LLMatcher] = {}
         self._bits = torch.arange(32, dtype=torch.int32)
+        self._worker: ThreadPoolExecutor | None = None
+        self._executor: llguidance.LLExecutor | None = None
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
@@ -96,14 +100,30 @@ class GrammarBackend:
     def release(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
 
-    def allowed(self, request_id: str) -> torch.Tensor | None:
-        """The tokens request `request_id` may sample next (bool [vocab]); None: no grammar."""
-        matcher = self.matchers.get(request_id)
-        if matcher is None:
+    def start_masks(self, request_ids: list[str]) -> Future[dict[str, torch.Tensor]] | None:
+        """Begin computing the next-token masks of these requests (those without a grammar are
+        skipped); the future gives {request id: bool [vocab]}. None when none has a grammar."""
+        constrained = [r for r in request_ids if r in self.matchers]
+        if not constrained:
             return None
-        words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            self._executor = _llguidance().LLExecutor()
+        matchers = [self.matchers[r] for r in constrained]
+        return self._worker.submit(self._masks, constrained, matchers)
+
+    def _masks(self, request_ids: list[str], matchers: list[Any]) -> dict[str, torch.Tensor]:
+        words = torch.zeros((len(matchers), (self.vocab_size + 31) // 32), dtype=torch.int32)
+        assert self._executor is not None
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)],
+            words.data_ptr(),
+            words.shape[1] * 4,
+            len(words),
+        )
         bits = (words.unsqueeze(-1) >> self._bits) & 1
-        return bits.flatten()[: self.vocab_size].bool()
+        allowed = bits.flatten(1)[:, : self.vocab_size].bool()
+        return dict(zip(request_ids, allowed))
 
     def consume(self, request_id: str, token_id: int) -> None:
         matcher = self.matchers.get(request_id)

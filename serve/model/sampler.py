@@ -85,10 +85,11 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, inputs: list[SampleInput]) -> list[Sampled]:
         """logits: float32 [len(inputs), vocab], on any device."""
-        if all(i.plain for i in inputs):
-            token_ids = logits.argmax(-1).tolist()
-        else:
-            token_ids = [self._one(row, i) for row, i in zip(logits.cpu(), inputs)]
+        token_ids = logits.argmax(-1).tolist()  # the plain rows' tokens; the others redrawn
+        others = [k for k, i in enumerate(inputs) if not i.plain]
+        if others:
+            for k, row in zip(others, logits[others].cpu()):
+                token_ids[k] = self._one(row, inputs[k])
         return [
             Sampled(
                 t,

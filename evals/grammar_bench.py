@@ -1,0 +1,147 @@
+"""Structured-output cost: what a grammar costs per step, and what free requests in the same
+batch pay for it.
+
+`python -m evals.grammar_bench [--model DIR] [--requests 16] [--rounds 3]`: in one engine,
+alternating round by round, runs
+  (a) `--requests` free greedy requests beside `--requests` JSON-schema-constrained ones, and
+  (b) the same free requests beside as many unconstrained twins of the constrained ones (same
+      prompts, same output lengths: the lengths the constrained ones reached in round one),
+so both batches have the same shape and differ only in the grammar. Prints per round the free
+requests' mean time per output token in (a) and (b) and their ratio, and the time spent in
+llguidance per step of (a): token masks (computed in a worker thread beside the forward) and
+token consumption (after sampling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.core.sampling_params import Grammar, SamplingParams
+from serve.engine.llm_engine import LLMEngine
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+class GrammarClock:
+    """Wraps the engine's grammar backend calls and adds up their time."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.seconds = 0.0
+        grammars = engine.grammars
+        grammars._masks = self._timed(grammars._masks)  # type: ignore[method-assign]
+        grammars.consume = self._timed(grammars.consume)  # type: ignore[method-assign]
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def run_batch(
+    engine: LLMEngine, batch: list[tuple[str, list[int], SamplingParams]]
+) -> tuple[dict[str, float], dict[str, int], int]:
+    """Runs the batch to the end: (seconds per output token of each request, output lengths,
+    steps)."""
+    for request_id, prompt, params in batch:
+        engine.add_request(request_id, prompt, params)
+    first_token: dict[str, float] = {}
+    done: dict[str, float] = {}
+    lengths: dict[str, int] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for rid in engine.progress:
+            first_token.setdefault(rid, now)
+        for out in outputs:
+            if out.finished:
+                done[out.request_id] = now
+                lengths[out.request_id] = out.num_output_tokens
+    per_token = {rid: (done[rid] - first_token[rid]) / max(1, lengths[rid] - 1) for rid in done}
+    return per_token, lengths, steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", type=Path, help="model dir (default: the tiny demo model)")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--free-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.model is None:
+        from catalog import ensure_demo_model
+
+        args.model = ensure_demo_model("demo-tiny")
+    engine = LLMEngine(
+        ModelConfig(str(args.model), dtype="float32", device="cpu"),
+        CacheConfig(num_blocks=2048, block_size=16),
+        SchedulerConfig(max_num_seqs=2 * args.requests),
+    )
+    clock = GrammarClock(engine)
+    tok = engine.tokenizer
+    free = [
+        (
+            f"free-{i}",
+            tok(f"Item {i}: the river").input_ids,
+            SamplingParams(max_tokens=args.free_tokens, temperature=0, ignore_eos=True),
+        )
+        for i in range(args.requests)
+    ]
+    grammar = Grammar("json_schema", json.dumps(SCHEMA, sort_keys=True))
+    constrained_prompts = [tok(f"Person {i} as JSON:").input_ids for i in range(args.requests)]
+    constrained = [
+        (f"json-{i}", p, SamplingParams(max_tokens=200, temperature=0, grammar=grammar))
+        for i, p in enumerate(constrained_prompts)
+    ]
+    run_batch(engine, free[:1] + constrained[:1])  # warm-up: the llguidance tokenizer, kernels
+    lengths: dict[str, int] | None = None
+    for r in range(args.rounds):
+        clock.seconds = 0.0
+        with_grammar, lengths_now, steps = run_batch(engine, free + constrained)
+        grammar_s = clock.seconds
+        lengths = lengths or lengths_now
+        twins = [
+            (
+                f"twin-{i}",
+                p,
+                SamplingParams(max_tokens=lengths[f"json-{i}"], temperature=0, ignore_eos=True),
+            )
+            for i, p in enumerate(constrained_prompts)
+        ]
+        without, _, _ = run_batch(engine, free + twins)
+        a = statistics.mean(with_grammar[rid] for rid, _, _ in free)
+        b = statistics.mean(without[rid] for rid, _, _ in free)
+        print(
+            f"round {r + 1}: free requests {a * 1000:.2f} ms/token beside constrained ones, "
+            f"{b * 1000:.2f} beside unconstrained twins: {a / b:.3f}x; llguidance "
+            f"{grammar_s * 1000 / steps:.2f} ms per step ({steps} steps, "
+            f"{args.requests} constrained requests, mean length "
+            f"{statistics.mean(lengths_now[c[0]] for c in constrained):.0f} tokens)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
