@@ -37,10 +37,10 @@ class DistillParams(StepParams):
     alpha: float = Field(default=0.5, ge=0, le=1)
     temperature: float = Field(default=2.0, gt=0)
     data: str = "corpus"
-    steps: int = Field(default=300, gt=0)
+    steps: int = Field(default=300, gt=0, le=10_000_000)
     lr: float = Field(default=3e-3, gt=0)
-    batch_size: int = Field(default=16, gt=0)
-    seq_len: int = Field(default=128, gt=1)
+    batch_size: int = Field(default=16, gt=0, le=4096)
+    seq_len: int = Field(default=128, gt=1, le=131_072)
     mixed_precision: Literal["no", "bf16", "auto"] = "no"
     """`bf16`: train under bfloat16 autocast (float32 master weights); `auto`: bf16 where this
     machine computes it fast (a GPU, an AVX-512 CPU), float32 elsewhere."""

@@ -27,12 +27,12 @@ tensor subclass ("Attempted to access the data pointer on an invalid python stor
 
 
 class LoraParams(StepParams):
-    rank: int = Field(default=16, gt=0)
+    rank: int = Field(default=16, gt=0, le=1024)
     """r: the rank of A (r x in) and B (out x r)."""
     alpha: float | None = Field(default=None, gt=0)
     """Scaling numerator; 2 x rank when absent."""
     dropout: float = Field(default=0.0, ge=0, lt=1)
-    targets: list[str] = Field(default=["q_proj", "v_proj"], min_length=1)
+    targets: list[str] = Field(default=["q_proj", "v_proj"], min_length=1, max_length=256)
     """Linear layers to adapt, by name or `re:` regex."""
     rslora: bool = False
     """Scale by alpha / sqrt(rank) instead of alpha / rank."""
@@ -43,10 +43,10 @@ class LoraParams(StepParams):
     knew: e.g. `corpus` while learning `shift`."""
     replay_fraction: float = Field(default=0.0, ge=0, lt=1)
     """Share of training rows drawn from `replay_data`."""
-    steps: int = Field(default=200, gt=0)
+    steps: int = Field(default=200, gt=0, le=10_000_000)
     lr: float = Field(default=2e-3, gt=0)
-    batch_size: int = Field(default=8, gt=0)
-    seq_len: int = Field(default=128, gt=1)
+    batch_size: int = Field(default=8, gt=0, le=4096)
+    seq_len: int = Field(default=128, gt=1, le=131_072)
     mixed_precision: Literal["no", "bf16", "auto"] = "no"
     """`bf16`: train under bfloat16 autocast (float32 master weights); `auto`: bf16 where this
     machine computes it fast (a GPU, an AVX-512 CPU), float32 elsewhere."""

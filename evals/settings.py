@@ -48,19 +48,21 @@ class Slo(_Strict):
 
 
 class LoadEval(_Strict):
-    concurrency: list[PositiveInt] = Field(default=[1, 2, 4, 8, 16, 32, 64, 128], min_length=1)
+    concurrency: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
+        default=[1, 2, 4, 8, 16, 32, 64, 128], min_length=1, max_length=64
+    )
     """Concurrent clients to ramp through."""
-    prompt_len: list[PositiveInt] = Field(default=[64, 256, 1024], min_length=1)
+    prompt_len: list[PositiveInt] = Field(default=[64, 256, 1024], min_length=1, max_length=16)
     """Prompt lengths in tokens."""
     max_tokens: PositiveInt = 64
-    """Output tokens per request."""
-    requests_per_client: PositiveInt = 2
+    """Output tokens per request (with the longest prompt_len: within the base's positions)."""
+    requests_per_client: PositiveInt = Field(default=2, le=10_000)
     """Requests each client sends back to back: a point has max(this x concurrency, 8)."""
-    requests_per_point: PositiveInt | None = None
+    requests_per_point: PositiveInt | None = Field(default=None, le=100_000)
     """A fixed number of requests per point instead."""
     kv_cache_memory: str | None = Field(default=None, pattern=r"^\d+(\.\d+)?\s*([KMG]i?B)?$")
     """The server's KV cache budget, e.g. 8MiB (default: the server's own)."""
-    max_num_seqs: PositiveInt = 256
+    max_num_seqs: PositiveInt = Field(default=256, le=65_536)
     """The server's running-request cap: above the ramp's top, so the KV cache is the limit."""
     request_rates: list[PositiveFloat] = Field(default=[], max_length=64)
     """Open-loop points per prompt length: Poisson arrivals at these rates (requests/s)."""
@@ -88,9 +90,9 @@ class QualityTask(_Strict):
 class DivergenceEval(_Strict):
     reference: Slug = "base"
     """The variant every other one is compared with (KL, top-1 agreement)."""
-    data: list[str] = Field(default=["corpus"], min_length=1)
+    data: list[str] = Field(default=["corpus"], min_length=1, max_length=32)
     """Named data sets whose validation split is scored (corpus, shakespeare, ...)."""
-    windows: PositiveInt = 32
+    windows: PositiveInt = Field(default=32, le=100_000)
     """Windows scored per data set."""
     seq_len: PositiveInt = 128
     """Tokens per window."""
@@ -115,7 +117,7 @@ def _as_spec(task: str | QualityTask) -> QualityTask:
 
 
 class Evals(_Strict):
-    quality: list[Slug | QualityTask] = []
+    quality: list[Slug | QualityTask] = Field(default=[], max_length=256)
     """lm-eval tasks: ours from `evals/tasks/`, or lm-eval's standard ones by name (hellaswag,
     piqa, arc_easy, mmlu_<subject>, ...); a name, or {task, limit, seed, source}."""
     max_length: PositiveInt | None = None
@@ -124,14 +126,14 @@ class Evals(_Strict):
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """The float dtype lm-eval scores in (bfloat16 halves its time on CPUs with avx512_bf16,
     and is emulated, 4x slower, on AVX2-only ones); `auto`: bfloat16 where it is fast."""
-    batch_size: PositiveInt = 16
+    batch_size: PositiveInt = Field(default=16, le=4096)
     """lm-eval's batch size."""
     divergence: DivergenceEval | None = None
     """KL divergence and top-1 agreement of each variant against a reference variant."""
-    chat_prompts: list[str] = []
+    chat_prompts: list[str] = Field(default=[], max_length=256)
     """User messages every variant answers greedily through its server (shown side by side)."""
-    chat_max_tokens: PositiveInt = 48
-    server_check_docs: int = Field(default=8, ge=0)
+    chat_max_tokens: PositiveInt = Field(default=48, le=131_072)
+    server_check_docs: int = Field(default=8, ge=0, le=10_000)
     """Documents per task scored both in-process and through the server (0: no check)."""
     load: LoadEval | None = None
     """Load benchmark settings; no load benchmark when absent."""
@@ -166,6 +168,37 @@ class Evals(_Strict):
         """The quality settings as JSON values, for cache keys."""
         tasks = [t if isinstance(t, str) else t.model_dump() for t in self.quality]
         return [tasks, self.quality_dtype(), self.batch_size]
+
+    def length_problems(self, position_limit: int | None) -> list[str]:
+        """Lengths the base cannot take (past its `position_limit` positions): each names the
+        field, the value and the limit. None: the base states no limit."""
+        if position_limit is None:
+            return []
+        where = f"the base's position limit ({position_limit} positions)"
+        problems = []
+        if self.max_length is not None and self.max_length > position_limit:
+            problems.append(
+                f"evals.max_length: {self.max_length} is past {where}; use {position_limit} or less"
+            )
+        if self.divergence is not None and self.divergence.seq_len > position_limit:
+            problems.append(
+                f"evals.divergence.seq_len: {self.divergence.seq_len} is past {where}; use "
+                f"{position_limit} or less"
+            )
+        if self.load is not None:
+            longest = max(self.load.prompt_len) + self.load.max_tokens
+            if longest > position_limit:
+                problems.append(
+                    f"evals.load: the longest prompt_len ({max(self.load.prompt_len)}) + "
+                    f"max_tokens ({self.load.max_tokens}) = {longest} is past {where}; shorten "
+                    "them"
+                )
+        if self.chat_prompts and self.chat_max_tokens >= position_limit:
+            problems.append(
+                f"evals.chat_max_tokens: {self.chat_max_tokens} leaves no room for a prompt in "
+                f"{where}"
+            )
+        return problems
 
     def quality_dtype(self) -> str:
         """`dtype` as this machine runs it (`auto` resolved)."""

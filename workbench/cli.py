@@ -33,18 +33,21 @@ def cmd_validate(args: argparse.Namespace) -> int:
     """The schema, then the steps' own checks (order, quantized inputs, targets when the base
     is at hand): what validate accepts, run does not refuse."""
     from workbench.base_model import base_dir_if_present
-    from workbench.pipeline import module_names
+    from workbench.pipeline import module_names, position_limit
 
     recipe, base = load_recipe(args.recipe)
     base_dir = base_dir_if_present(base)
     names = module_names(base_dir) if base_dir is not None else None
-    Pipeline(recipe, base, Path()).check(recipe.variants, names)
+    limit = position_limit(base_dir) if base_dir is not None else None
+    Pipeline(recipe, base, Path()).check(recipe.variants, names, limit)
     out.print(
         f"{args.recipe}: ok: recipe {recipe.name!r}, base {base.name!r} ({base.kind}), "
         f"{len(recipe.variants)} variant(s): {', '.join(v.name for v in recipe.variants)}"
     )
     if names is None:
-        out.print("  (module names not checked: the base is not built or downloaded yet)")
+        out.print(
+            "  (module names and lengths not checked: the base is not built or downloaded yet)"
+        )
     return 0
 
 

@@ -19,7 +19,7 @@ import hashlib
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,12 +103,19 @@ class Pipeline:
         self.keep_checkpoints = keep_checkpoints
         self.recipe_hash = recipe_hash(recipe)
         self.evaluate = evaluate
+        self._lock_depth = 0
 
-    def check(self, variants: list[Variant], module_names: list[str] | None) -> None:
+    def check(
+        self,
+        variants: list[Variant],
+        module_names: list[str] | None,
+        position_limit: int | None = None,
+    ) -> None:
         """Each step must accept what the step before it makes, and its params must fit the
-        model (e.g. targets that exist; not checked when `module_names` is None); every problem
-        is reported at once."""
-        problems = []
+        model (e.g. targets that exist; not checked when `module_names` is None); no training
+        window or eval length may pass the base's `position_limit`; every problem is reported
+        at once."""
+        problems = self.recipe.evals.length_problems(position_limit)
         for v_index, variant in enumerate(self.recipe.variants):
             if variant not in variants:
                 continue
@@ -122,6 +129,12 @@ class Pipeline:
                         f"(it takes a {' or '.join(step.accepts)}); reorder the steps"
                     )
                     break
+                seq_len = getattr(params, "seq_len", None)
+                if position_limit is not None and seq_len is not None and seq_len > position_limit:
+                    problems.append(
+                        f"{where}.seq_len: {seq_len} is past the base's position limit "
+                        f"({position_limit} positions); use {position_limit} or less"
+                    )
                 try:
                     step.check(state, module_names)
                 except StepError as e:
@@ -130,6 +143,30 @@ class Pipeline:
         if problems:
             raise PipelineError(problems)
 
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the work dir's lock (on the main process), leftovers of killed builds removed:
+        `run` takes it, and a caller that also measures what was built holds it across both, so
+        no concurrent run can swap a variant under a measurement. Re-entrant per pipeline."""
+        if self._lock_depth:
+            self._lock_depth += 1
+            try:
+                yield
+            finally:
+                self._lock_depth -= 1
+            return
+        lock = file_lock(self.work_dir / ".lock") if is_main() else contextlib.nullcontext()
+        with lock:
+            self._lock_depth = 1
+            try:
+                if is_main():
+                    for sub in ("variants", "artifacts"):
+                        remove_stale_tmp(self.work_dir / sub)
+                barrier()
+                yield
+            finally:
+                self._lock_depth = 0
+
     def run(
         self,
         only: list[str] | None = None,
@@ -137,14 +174,9 @@ class Pipeline:
     ) -> list[VariantResult]:
         variants = [v for v in self.recipe.variants if only is None or v.name in only]
         base = base_artifact(self.base)
-        self.check(variants, module_names(base.path))
+        self.check(variants, module_names(base.path), position_limit(base.path))
         results = []
-        lock = file_lock(self.work_dir / ".lock") if is_main() else contextlib.nullcontext()
-        with lock:
-            if is_main():
-                for sub in ("variants", "artifacts"):
-                    remove_stale_tmp(self.work_dir / sub)
-            barrier()
+        with self.locked():
             base_hash = base_fingerprint(self.base)
             for variant in variants:
                 results.append(self._run_variant(variant, base, base_hash))
@@ -258,6 +290,15 @@ def _meta_model(model_dir: Path) -> Any:
     config.quantization_config = None  # the architecture only
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
+
+
+def position_limit(model_dir: Path) -> int | None:
+    """The most positions the model in `model_dir` encodes, from its config (None: unstated)."""
+    from transformers import AutoConfig
+
+    from serve.model.model_runner import config_position_limit
+
+    return config_position_limit(AutoConfig.from_pretrained(model_dir))
 
 
 def module_names(model_dir: Path) -> list[str]:

@@ -70,10 +70,11 @@ def run(
     pipeline = Pipeline(
         recipe, base, work, force=force, evaluate=evaluate, keep_checkpoints=keep_checkpoints
     )
-    results = pipeline.run(variants, on_result=on_variant)
-    if not is_main():  # under accelerate launch / torchrun the main process measures
-        return RunResult(recipe, base, work, results, None, None, out_dir)
-    measured = measure_variants(recipe.evals, results, work, force, progress)
+    with pipeline.locked():  # measured under the lock the build took
+        results = pipeline.run(variants, on_result=on_variant)
+        if not is_main():  # under accelerate launch / torchrun the main process measures
+            return RunResult(recipe, base, work, results, None, None, out_dir)
+        measured = measure_variants(recipe.evals, results, work, force, progress)
     report = build_report(recipe.name, recipe.report.title, recipe.evals, results, measured)
     write_report(report, out_dir)
     return RunResult(recipe, base, work, results, measured, report, out_dir)

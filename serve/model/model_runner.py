@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from compress.artifact import check_intact
 from compress.load_spec import load_model as load_artifact
@@ -55,7 +55,12 @@ def resolve_device(name: str) -> torch.device:
 
 def position_limit(model: PreTrainedModel) -> int | None:
     """The most positions the model can encode, as its config states it (None: unstated)."""
-    config = model.config.get_text_config()
+    return config_position_limit(model.config)
+
+
+def config_position_limit(config: PretrainedConfig) -> int | None:
+    """`position_limit` from a model's config alone."""
+    config = config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:

@@ -176,3 +176,37 @@ def test_keep_checkpoints_below_one_is_refused(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--keep-checkpoints" in err and ("allowed: >= 1" in err or "not an integer" in err)
+
+
+def test_measurements_run_under_the_work_dir_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 23: measurements ran after the work-dir lock was released, so a concurrent
+    `--force` run could swap a variant under a running measurement (whose numbers were then
+    stored under the old key)."""
+    import fcntl
+
+    import evals.variant_evals
+    from workbench.run_recipe import run as run_recipe
+
+    seen: list[bool] = []
+    measure = evals.variant_evals.measure_variants
+
+    def checking(*args: object, **kwargs: object) -> object:
+        with (tmp_path / "work" / ".lock").open("a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                seen.append(True)  # held by the run: another run would wait here
+            else:
+                fcntl.flock(f, fcntl.LOCK_UN)
+                seen.append(False)
+        return measure(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(evals.variant_evals, "measure_variants", checking)
+    path = tmp_path / "recipe.yaml"
+    path.write_text("name: tiny\nbase: demo-tiny\nvariants:\n  - {name: base, steps: []}\n")
+    result = run_recipe(path, tmp_path / "work", report_dir=tmp_path / "report")
+    assert seen == [True] and result.built == ["base"]
+    with (tmp_path / "work" / ".lock").open("a") as f:  # released afterwards
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -88,7 +88,7 @@ BAD = {
     "zero concurrency": (
         "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {load: {concurrency: [1, 0]}}\n",
         "evals.load.concurrency[1]",
-        ["found 0", "greater than 0"],
+        ["found 0", "greater than or equal to 1"],
     ),
     "wrong type": (
         "name: x\nbase: demo-tiny\nseed: lots\nvariants: [{name: a}]\n",
@@ -142,6 +142,27 @@ BAD = {
         "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{distill: {layers: 1, hidden_size: 16}}]}]\n",
         "variants[0].steps[0].distill",
         ["set init: random"],
+    ),
+    "lora rank unbounded": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, steps: [{lora: {rank: 100000}}]}]\n",
+        "variants[0].steps[0].lora.rank",
+        ["found 100000", "less than or equal to 1024"],
+    ),
+    "load concurrency list unbounded": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a}]\n"
+        f"evals: {{load: {{concurrency: {list(range(1, 100))}}}}}\n",
+        "evals.load.concurrency",
+        ["at most 64 items"],
+    ),
+    "load concurrency value unbounded": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {load: {concurrency: [1000000]}}\n",
+        "evals.load.concurrency",
+        ["less than or equal to 4096"],
+    ),
+    "eval batch size unbounded": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {batch_size: 10000000}\n",
+        "evals.batch_size",
+        ["less than or equal to 4096"],
     ),
     "not a mapping": ("- just\n- a list\n", "", ["found list", "a recipe is a mapping"]),
     "not yaml": ("name: [unclosed\n", "", ["not valid YAML", "line"]),
@@ -369,3 +390,28 @@ def test_concurrent_first_uses_convert_a_gguf_file_once(
     assert len(calls) == 1 and len(set(results)) == 1
     assert (results[0] / gguf_base.GGUF_INFO).is_file()
     assert not [p for p in results[0].parent.iterdir() if ".tmp-" in p.name]
+
+
+def test_eval_lengths_past_the_position_limit_fail_validate(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Issue 23: validate said ok to lengths the base cannot take, which failed after the
+    builds: eval lengths past the model's position limit and training windows past it."""
+    from workbench.pipeline import Pipeline, PipelineError, position_limit
+
+    limit = position_limit(tiny_model_dir)
+    assert limit is not None
+    text = (
+        f"name: x\nbase: {tiny_model_dir}\n"
+        f"variants: [{{name: base}}, {{name: a, steps: [{{lora: {{seq_len: {limit + 1}}}}}]}}]\n"
+        f"evals: {{max_length: {limit * 2}, divergence: {{seq_len: {limit + 8}}},\n"
+        f"  load: {{prompt_len: [{limit}], max_tokens: 4}}}}\n"
+    )
+    recipe, base = load_recipe(_write(tmp_path, text))
+    with pytest.raises(PipelineError) as info:
+        Pipeline(recipe, base, tmp_path).check(recipe.variants, None, limit)
+    problems = "\n".join(info.value.problems)
+    for field in ("evals.max_length", "evals.divergence.seq_len", "evals.load", ".seq_len:"):
+        assert field in problems, problems
+    assert f"position limit ({limit} positions)" in problems
+    assert len(info.value.problems) == 4
