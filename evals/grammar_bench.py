@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for i in range(args.requests)
     ]
-    grammar = Grammar("json_schema", json.dumps(SCHEMA, sort_keys=True))
+    grammar = Grammar("json_schema", json.dumps(SCHEMA))
     constrained_prompts = [tok(f"Person {i} as JSON:").input_ids for i in range(args.requests)]
     constrained = [
         (f"json-{i}", p, SamplingParams(max_tokens=200, temperature=0, grammar=grammar))

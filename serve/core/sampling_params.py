@@ -125,11 +125,16 @@ class SamplingParams:
     def changes_logits(self) -> bool:
         """Whether anything but temperature, top-k and top-p acts on the logits (so even a
         greedy request needs its row processed before the argmax)."""
+        return self.processes_row or self.grammar is not None
+
+    @property
+    def processes_row(self) -> bool:
+        """Whether min_tokens, a logit bias or a penalty acts on the logits (a grammar's mask
+        alone can be applied to many rows at once)."""
         return bool(
             self.min_tokens
             or self.logit_bias
             or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
-            or self.grammar is not None
         )

@@ -259,9 +259,9 @@ class LLMEngine:
         tokens = {}
         for request, s in zip(requests, self.sampler.sample(logits[rows], sample_inputs)):
             tokens[request.request_id] = s.token_id
-            self.grammars.consume(request.request_id, s.token_id)
             if s.logprobs is not None:
                 request.logprobs.append(s.logprobs)
+        self.grammars.consume(tokens)
         return tokens
 
     def _sample_input(self, request: Request, allowed: torch.Tensor | None) -> SampleInput:

@@ -120,7 +120,7 @@ class StructuredOutputs(Strict):
 
     def to_grammar(self) -> Grammar:
         if self.json_ is not None:
-            return Grammar("json_schema", json.dumps(self.json_, sort_keys=True))
+            return Grammar("json_schema", json.dumps(self.json_))
         if self.regex is not None:
             return Grammar("regex", self.regex)
         if self.choice is not None:
@@ -188,7 +188,7 @@ class SamplingFields(Strict):
             return None
         if fmt.json_schema is None:
             return Grammar("json_object")
-        return Grammar("json_schema", json.dumps(fmt.json_schema.schema_, sort_keys=True))
+        return Grammar("json_schema", json.dumps(fmt.json_schema.schema_))
 
     def grammar(self) -> Grammar | None:
         """The output constraint the request asks for (None: free text)."""

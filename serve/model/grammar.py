@@ -125,7 +125,10 @@ class GrammarBackend:
         allowed = bits.flatten(1)[:, : self.vocab_size].bool()
         return dict(zip(request_ids, allowed))
 
-    def consume(self, request_id: str, token_id: int) -> None:
-        matcher = self.matchers.get(request_id)
-        if matcher is not None:
-            matcher.consume_token(token_id)
+    def consume(self, tokens: dict[str, int]) -> None:
+        """Advance the matchers of the constrained requests among `tokens` (request id: the
+        token it sampled), in one batched call."""
+        pairs = [(m, t) for r, t in tokens.items() if (m := self.matchers.get(r)) is not None]
+        if pairs:
+            assert self._executor is not None  # created with the step's masks
+            self._executor.consume_token_par(pairs)

@@ -43,6 +43,11 @@ class SampleInput:
         """Greedy, and nothing changes the logits: the argmax of the raw row."""
         return self.params.greedy and not self.params.changes_logits
 
+    @property
+    def masked_greedy(self) -> bool:
+        """Greedy, and only a grammar's mask changes the logits: batched with its likes."""
+        return self.params.greedy and self.allowed is not None and not self.params.processes_row
+
 
 @dataclass(frozen=True)
 class Sampled:
@@ -86,7 +91,13 @@ class Sampler:
     def sample(self, logits: torch.Tensor, inputs: list[SampleInput]) -> list[Sampled]:
         """logits: float32 [len(inputs), vocab], on any device."""
         token_ids = logits.argmax(-1).tolist()  # the plain rows' tokens; the others redrawn
-        others = [k for k, i in enumerate(inputs) if not i.plain]
+        masked = [k for k, i in enumerate(inputs) if i.masked_greedy]
+        if masked:
+            allowed = torch.stack([inputs[k].allowed for k in masked]).to(logits.device)  # type: ignore[misc]
+            picks = logits[masked].masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
+            for k, pick in zip(masked, picks):
+                token_ids[k] = pick
+        others = [k for k, i in enumerate(inputs) if not (i.plain or i.masked_greedy)]
         if others:
             for k, row in zip(others, logits[others].cpu()):
                 token_ids[k] = self._one(row, inputs[k])
