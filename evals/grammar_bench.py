@@ -1,9 +1,9 @@
 """Structured-output cost: what a grammar costs per step, and what free requests in the same
 batch pay for it.
 
-`python -m evals.grammar_bench [--model DIR] [--requests 16] [--rounds 3]`: in one engine,
-alternating round by round, runs
-  (a) `--requests` free greedy requests beside `--requests` JSON-schema-constrained ones, and
+`python -m evals.grammar_bench [--model DIR] [--requests 16] [--constrained 16] [--rounds 3]`:
+in one engine, alternating round by round, runs
+  (a) `--requests` free greedy requests beside `--constrained` JSON-schema-constrained ones, and
   (b) the same free requests beside as many unconstrained twins of the constrained ones (same
       prompts, same output lengths: the lengths the constrained ones reached in round one),
 so both batches have the same shape and differ only in the grammar. Prints per round the free
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", type=Path, help="model dir (default: the tiny demo model)")
     parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--constrained", type=int, default=16)
     parser.add_argument("--free-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(
         ModelConfig(str(args.model), dtype="float32", device="cpu"),
         CacheConfig(num_blocks=2048, block_size=16),
-        SchedulerConfig(max_num_seqs=2 * args.requests),
+        SchedulerConfig(max_num_seqs=args.requests + args.constrained),
     )
     clock = GrammarClock(engine)
     tok = engine.tokenizer
@@ -110,13 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.requests)
     ]
     grammar = Grammar("json_schema", json.dumps(SCHEMA))
-    constrained_prompts = [tok(f"Person {i} as JSON:").input_ids for i in range(args.requests)]
+    constrained_prompts = [tok(f"Person {i} as JSON:").input_ids for i in range(args.constrained)]
     constrained = [
         (f"json-{i}", p, SamplingParams(max_tokens=200, temperature=0, grammar=grammar))
         for i, p in enumerate(constrained_prompts)
     ]
     run_batch(engine, free[:1] + constrained[:1])  # warm-up: the llguidance tokenizer, kernels
     lengths: dict[str, int] | None = None
+    ratios: list[float] = []
     for r in range(args.rounds):
         clock.seconds = 0.0
         with_grammar, lengths_now, steps = run_batch(engine, free + constrained)
@@ -133,13 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         without, _, _ = run_batch(engine, free + twins)
         a = statistics.mean(with_grammar[rid] for rid, _, _ in free)
         b = statistics.mean(without[rid] for rid, _, _ in free)
+        ratios.append(a / b)
         print(
             f"round {r + 1}: free requests {a * 1000:.2f} ms/token beside constrained ones, "
             f"{b * 1000:.2f} beside unconstrained twins: {a / b:.3f}x; llguidance "
             f"{grammar_s * 1000 / steps:.2f} ms per step ({steps} steps, "
-            f"{args.requests} constrained requests, mean length "
+            f"{args.constrained} constrained requests, mean length "
             f"{statistics.mean(lengths_now[c[0]] for c in constrained):.0f} tokens)"
         )
+    print(f"median ratio over {args.rounds} rounds: {statistics.median(ratios):.3f}x")
     return 0
 
 

@@ -110,7 +110,12 @@ class LLMEngine:
         defaults = GenerationDefaults.read(hf_model, self.tokenizer, model.generation_config)
         self.eos_token_ids = defaults.eos_token_ids
         self.sampling_defaults = defaults.sampling
-        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = GrammarBackend(
+            self.tokenizer,
+            self.vocab_size,
+            sorted(self.eos_token_ids),
+            overlap=self.runner.device.type != "cpu",
+        )
         self._states: dict[str, RequestState] = {}
         self.progress: dict[str, int] = {}
         """Output tokens of every request that got one in the last step."""

@@ -4,9 +4,11 @@ Model: a `Grammar` (JSON schema, any JSON object, regex, a list of choices, Lark
 llguidance's grammar text and checked once per distinct grammar (`grammar_text`, cached), before
 the request reaches the engine, so a construct llguidance cannot honour is a client error naming
 it. Each request then gets its own `LLMatcher` (its parser state). A step's masks (the tokens that
-keep each output inside its grammar) are computed in a worker thread while the model runs
-(`start_masks`; llguidance releases the GIL), one batched call for all constrained requests; after
-sampling each matcher consumes its token. Once the grammar is complete only end-of-sequence is allowed, so a request ends by
+keep each output inside its grammar) are computed in one batched call for all constrained
+requests: in a worker thread while the model runs when a core is free for it (`overlap`: the
+forward runs on a GPU; llguidance releases the GIL), else before the forward (on a CPU whose
+cores all run the forward, a thread beside it slowed the forward by more than the masks cost).
+After sampling, the matchers consume their tokens in one batched call. Once the grammar is complete only end-of-sequence is allowed, so a request ends by
 itself. JSON is compact (no free whitespace between tokens), so a model cannot spend its tokens
 on blank lines.
 """
@@ -19,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from serve.core.sampling_params import Grammar
 
@@ -70,17 +73,23 @@ def grammar_text(grammar: Grammar) -> str:
 
 class GrammarBackend:
     """The engine's side: the tokenizer as llguidance sees it (built on first use, about a
-    second) and one matcher per constrained request."""
+    second) and one matcher per constrained request. `overlap`: compute masks beside the
+    forward."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: list[int]
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        eos_ids: list[int],
+        overlap: bool = False,
     ) -> None:
         self.hf_tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
         self._tokenizer: llguidance.LLTokenizer | None = None
         self.matchers: dict[str, llguidance.LLMatcher] = {}
-        self._bits = torch.arange(32, dtype=torch.int32)
+        self._byte_bits = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).to(torch.uint8)
         self._worker: ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
+        self.overlap = overlap
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
@@ -106,10 +115,15 @@ class GrammarBackend:
         constrained = [r for r in request_ids if r in self.matchers]
         if not constrained:
             return None
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        if self._executor is None:
             self._executor = _llguidance().LLExecutor()
         matchers = [self.matchers[r] for r in constrained]
+        if not self.overlap:  # no core to spare: computed here, before the forward
+            done: Future[dict[str, torch.Tensor]] = Future()
+            done.set_result(self._masks(constrained, matchers))
+            return done
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         return self._worker.submit(self._masks, constrained, matchers)
 
     def _masks(self, request_ids: list[str], matchers: list[Any]) -> dict[str, torch.Tensor]:
@@ -121,7 +135,9 @@ class GrammarBackend:
             words.shape[1] * 4,
             len(words),
         )
-        bits = (words.unsqueeze(-1) >> self._bits) & 1
+        # each byte of the little-endian words looked up as its 8 bits (4x faster than shifts
+        # at a 50k vocabulary)
+        bits = F.embedding(words.view(torch.uint8).int(), self._byte_bits)
         allowed = bits.flatten(1)[:, : self.vocab_size].bool()
         return dict(zip(request_ids, allowed))
 
