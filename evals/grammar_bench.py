@@ -5,7 +5,7 @@ batch pay for it.
 in one engine, alternating round by round, runs
   (a) `--requests` free greedy requests beside `--constrained` JSON-schema-constrained ones, and
   (b) the same free requests beside as many unconstrained twins of the constrained ones (same
-      prompts, same output lengths: the lengths the constrained ones reached in round one),
+      prompts, same output lengths: the lengths the constrained ones reach),
 so both batches have the same shape and differ only in the grammar. Prints per round the free
 requests' mean time per output token in (a) and (b) and their ratio, and the time spent in
 llguidance per step of (a): token masks (computed in a worker thread beside the forward) and
@@ -117,22 +117,25 @@ def main(argv: list[str] | None = None) -> int:
         for i, p in enumerate(constrained_prompts)
     ]
     run_batch(engine, free[:1] + constrained[:1])  # warm-up: the llguidance tokenizer, kernels
-    lengths: dict[str, int] | None = None
     ratios: list[float] = []
+    # the twins' lengths: what the constrained requests reach (greedy: the same every round)
+    _, lengths, _ = run_batch(engine, free + constrained)
+    twins = [
+        (
+            f"twin-{i}",
+            p,
+            SamplingParams(max_tokens=lengths[f"json-{i}"], temperature=0, ignore_eos=True),
+        )
+        for i, p in enumerate(constrained_prompts)
+    ]
     for r in range(args.rounds):
+        if r % 2:  # which batch runs first alternates round by round
+            without, _, _ = run_batch(engine, free + twins)
         clock.seconds = 0.0
         with_grammar, lengths_now, steps = run_batch(engine, free + constrained)
         grammar_s = clock.seconds
-        lengths = lengths or lengths_now
-        twins = [
-            (
-                f"twin-{i}",
-                p,
-                SamplingParams(max_tokens=lengths[f"json-{i}"], temperature=0, ignore_eos=True),
-            )
-            for i, p in enumerate(constrained_prompts)
-        ]
-        without, _, _ = run_batch(engine, free + twins)
+        if not r % 2:
+            without, _, _ = run_batch(engine, free + twins)
         a = statistics.mean(with_grammar[rid] for rid, _, _ in free)
         b = statistics.mean(without[rid] for rid, _, _ in free)
         ratios.append(a / b)
