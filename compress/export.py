@@ -8,6 +8,10 @@
   `compressed-tensors` package's own compressor; one config group per (bits, group size,
   symmetric) with the module names as targets, so a mixed plan keeps each module's format.
   int8 embedding rows are written dequantized (the format quantizes linears only).
+- `gguf`: one GGUF file for llama.cpp (`compress.gguf_export`): the float weights quantized to
+  a GGML type (`gguf_type`; default the variant's own bits: 4-bit -> Q4_1, 8-bit -> Q8_0, a
+  float variant its dtype), tokenizer and chat template in its metadata. Packed variants, float
+  ones and int4-wo (whose bfloat16 weights torchao quantizes at load) export to it.
 Contract: the export dir appears whole or not at all (written beside it and renamed last); a
 variant whose storage the format cannot express is refused, naming why and what it can export to.
 """
@@ -28,8 +32,8 @@ from compress.load_spec import PACKED, LoadSpec, read_load_spec
 from compress.packed import PackedFormat, Quantized
 from compress.packed_io import SUFFIXES, WEIGHTS, read_tensors, take_quantized
 
-ExportFormat = Literal["hf", "compressed-tensors"]
-EXPORT_FORMATS: tuple[ExportFormat, ...] = ("hf", "compressed-tensors")
+ExportFormat = Literal["hf", "compressed-tensors", "gguf"]
+EXPORT_FORMATS: tuple[ExportFormat, ...] = ("hf", "compressed-tensors", "gguf")
 _NOT_COPIED = {WEIGHTS, PACKED, "workbench.json", "config.json"}
 
 
@@ -42,14 +46,21 @@ def exports_of(spec: LoadSpec) -> tuple[ExportFormat, ...]:
     if spec.format == "packed":
         return EXPORT_FORMATS
     if spec.format == "hf":
-        return ("hf",)
+        return ("hf", "gguf")
+    if spec.format == "int4-at-load":
+        return ("gguf",)
     return ()
 
 
-def export(source: Path, fmt: str, out: Path) -> dict[str, Any]:
+def export(source: Path, fmt: str, out: Path, gguf_type: str | None = None) -> dict[str, Any]:
     """Write `source` (a variant dir) as `fmt` into `out` (which must not exist); returns what
-    was written: format, files, bytes, and per scheme the modules it holds."""
+    was written: format, files, bytes, and per scheme the modules it holds (for gguf: tensors
+    per GGML type). `gguf_type`: the GGML type of a gguf export's weights."""
     spec = _checked(source, fmt, out)
+    if gguf_type is not None and fmt != "gguf":
+        raise ExportError(f"--gguf-type is for --format gguf, not {fmt}")
+    if fmt == "gguf":
+        return _export_gguf(spec, out, gguf_type)
     with atomic_dir(out) as tmp:
         config = json.loads((source / "config.json").read_text())
         state, codes = (
@@ -68,6 +79,33 @@ def export(source: Path, fmt: str, out: Path) -> dict[str, Any]:
     files = sorted(p.name for p in out.iterdir())
     size = sum((out / f).stat().st_size for f in files)
     return {"format": fmt, "path": str(out), "files": files, "bytes": size, "schemes": schemes}
+
+
+def _export_gguf(spec: LoadSpec, out: Path, gguf_type: str | None) -> dict[str, Any]:
+    from compress.gguf_export import GGUF_FILE, GgufExportError, default_type, write_gguf
+
+    if spec.format == "packed":
+        state, codes = packed_weights(spec)
+        for name, qw in codes.items():
+            state[f"{name}.weight"] = qw.dequantize()
+        bits = {PackedFormat.parse(f).bits for f in spec.module_formats.values()}
+    else:
+        state, bits = read_tensors(spec.path), ({4} if spec.format == "int4-at-load" else set())
+    chosen = gguf_type or default_type(state, bits)
+    with atomic_dir(out) as tmp:
+        try:
+            counts = write_gguf(spec.path, state, chosen, tmp / GGUF_FILE)
+        except GgufExportError as e:
+            raise ExportError(str(e)) from None
+    size = (out / GGUF_FILE).stat().st_size
+    return {
+        "format": "gguf",
+        "path": str(out / GGUF_FILE),
+        "files": [GGUF_FILE],
+        "bytes": size,
+        "schemes": {f"{t} (GGUF)": [f"{n} tensors"] for t, n in counts.items()},
+        "gguf_type": chosen,
+    }
 
 
 def _checked(source: Path, fmt: str, out: Path) -> LoadSpec:
@@ -90,7 +128,8 @@ def _checked(source: Path, fmt: str, out: Path) -> LoadSpec:
         can = f"it exports to {', '.join(allowed)}" if allowed else "it exports to nothing yet"
         raise ExportError(
             f"{source}: a {kind} variant cannot be exported as {fmt}: {can}; the packed "
-            "variants (rtn, gptq, awq, hqq, mixed) export to hf and compressed-tensors"
+            "variants (rtn, gptq, awq, hqq, mixed) export to hf, compressed-tensors and gguf, "
+            "float and int4-wo variants to gguf"
         )
     return spec
 

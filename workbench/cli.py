@@ -197,13 +197,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         else source.parent.parent / "exports" / (f"{source.name}-{args.format}")
     )
     try:
-        info = export(source, args.format, out_dir)
+        info = export(source, args.format, out_dir, args.gguf_type)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out.print(f"{source} -> {info['path']} ({args.format}, {_size(info['bytes'])})")
     for scheme, modules in info["schemes"].items():
-        out.print(f"  {scheme} (pack-quantized): {len(modules)} module(s)")
+        if args.format == "gguf":
+            out.print(f"  {scheme}: {modules[0]}")
+        else:
+            out.print(f"  {scheme} (pack-quantized): {len(modules)} module(s)")
     return 0
 
 
@@ -256,13 +259,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench_engine)
     p = sub.add_parser(
-        "export", help="write a variant in a format other engines load (hf, compressed-tensors)"
+        "export",
+        help="write a variant in a format other engines load (hf, compressed-tensors, gguf)",
     )
     p.add_argument("variant", help="a variant dir, e.g. runs/<recipe>/variants/<name>")
     p.add_argument(
         "--format",
         required=True,
-        help="hf (dense float weights) or compressed-tensors (pack-quantized: transformers, vLLM)",
+        help="hf (dense float weights), compressed-tensors (pack-quantized: transformers, "
+        "vLLM) or gguf (one file: llama.cpp, Ollama)",
+    )
+    p.add_argument(
+        "--gguf-type",
+        choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"],
+        help="GGML type of a gguf export's weights (default: the variant's own: 4-bit -> q4_1, "
+        "8-bit -> q8_0, float -> its dtype)",
     )
     p.add_argument(
         "--out", help="the dir to write (default: runs/<recipe>/exports/<name>-<format>)"

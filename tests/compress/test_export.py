@@ -142,9 +142,7 @@ def test_cli_export_and_its_errors(
         == 2
     )
     assert "exists; remove it or pass another --out" in capsys.readouterr().err
-    assert (
-        main(["export", str(built["rtn"]), "--format", "gguf", "--out", str(tmp_path / "g")]) == 2
-    )
-    assert "--format: found 'gguf'; allowed: hf, compressed-tensors" in capsys.readouterr().err
+    assert main(["export", str(built["rtn"]), "--format", "xml", "--out", str(tmp_path / "g")]) == 2
+    assert "--format: found 'xml'; allowed: hf, compressed-tensors, gguf" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nowhere"), "--format", "hf"]) == 2
     assert "not a variant dir" in capsys.readouterr().err

@@ -1,0 +1,168 @@
+"""Exporting a variant as one GGUF file, the format llama.cpp and Ollama load.
+
+Model: the variant's weights in float (a packed variant's codes dequantized; an int4-wo variant's
+bfloat16 weights, which torchao quantizes only when loaded) are written under llama.cpp's tensor
+names (`gguf.TensorNameMap`), 2-D weights in the chosen GGML type (F32, F16, BF16, Q8_0, Q4_0,
+Q4_1: the types the `gguf` package quantizes) and norms in F32, as llama.cpp's converter does.
+Llama's q/k projections are permuted to GGML's interleaved rotary layout (the inverse of what
+transformers' GGUF loader undoes). The hyperparameters, the tokenizer (byte-level BPE as `gpt2`:
+tokens, token types, merges, special ids) and the chat template travel in the file's metadata.
+The round trip: transformers' GGUF loader (which the workbench uses to import GGUF bases) gives
+back exactly the GGML type's dequantization of each weight.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+"""transformers model types this exporter writes (llama.cpp arch names are the same)."""
+GGUF_FILE = "model.gguf"
+
+
+class GgufExportError(ValueError):
+    """A variant that cannot be written as GGUF; the message names why and the fix."""
+
+
+def default_type(state: dict[str, torch.Tensor], bits: set[int]) -> str:
+    """The GGML type closest to the variant's own storage: its packed bits, else its dtype."""
+    if 4 in bits:
+        return "q4_1"
+    if 8 in bits:
+        return "q8_0"
+    dtype = next(t.dtype for t in state.values() if t.is_floating_point())
+    return {torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "f32")
+
+
+def write_gguf(
+    source: Path, state: dict[str, torch.Tensor], gguf_type: str, out_file: Path
+) -> dict[str, Any]:
+    """Write `state` (the variant's float weights, by transformers name) with `source`'s config
+    and tokenizer as `out_file`; returns the tensor count per GGML type."""
+    import gguf
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(source).get_text_config()
+    if config.model_type not in ARCHITECTURES:
+        raise GgufExportError(
+            f"{source}: a {config.model_type} model cannot be written as GGUF by this exporter "
+            f"(it writes {', '.join(ARCHITECTURES)}); export it as hf and convert that with "
+            "llama.cpp's convert_hf_to_gguf.py"
+        )
+    if gguf_type not in GGUF_TYPES:
+        raise GgufExportError(f"--gguf-type: found {gguf_type!r}; allowed: {', '.join(GGUF_TYPES)}")
+    arch = gguf.MODEL_ARCH[config.model_type.upper()]
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(out_file), config.model_type)
+    _hyperparameters(writer, config, gguf_type)
+    _tokenizer(writer, AutoTokenizer.from_pretrained(source))
+    counts: dict[str, int] = {}
+    for hf_name, tensor in state.items():
+        if config.tie_word_embeddings and hf_name == "lm_head.weight":
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise GgufExportError(f"{source}: no GGUF name for tensor {hf_name}")
+        data = _permuted(hf_name, tensor.float(), config)
+        qtype = _type_for(gguf, gguf_type, data)
+        array = data.numpy()
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            array = array.astype(
+                np.float16 if qtype == gguf.GGMLQuantizationType.F16 else np.float32
+            )
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        counts[qtype.name] = counts.get(qtype.name, 0) + 1
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return counts
+
+
+def _type_for(gguf: Any, wanted: str, data: torch.Tensor) -> Any:
+    """Norms and other 1-D tensors stay F32; a weight whose rows do not split into the type's
+    blocks falls back to F16 (as llama.cpp's converter does)."""
+    types = gguf.GGMLQuantizationType
+    if data.dim() == 1:
+        return types.F32
+    qtype = types[wanted.upper()]
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    return qtype if data.shape[-1] % block == 0 else types.F16
+
+
+def _permuted(name: str, weight: torch.Tensor, config: Any) -> torch.Tensor:
+    """Llama's q/k rows reordered from rotate-half pairs to GGML's interleaved pairs."""
+    if config.model_type != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+        return weight
+    heads = config.num_attention_heads
+    if name.endswith("k_proj.weight"):
+        heads = config.num_key_value_heads
+    rows = weight.shape[0]
+    return (
+        weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _hyperparameters(writer: Any, config: Any, gguf_type: str) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10_000.0
+    writer.add_rope_freq_base(float(theta))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_name(f"workbench export ({gguf_type})")
+
+
+def _tokenizer(writer: Any, tok: Any) -> None:
+    """A byte-level BPE tokenizer as llama.cpp's `gpt2` model: tokens by id, control tokens
+    marked, merges, special ids, the chat template."""
+    backend = json.loads(tok.backend_tokenizer.to_str())
+    model = backend["model"]
+    if model.get("type") != "BPE":
+        raise GgufExportError(
+            f"the tokenizer is {model.get('type')}, not byte-level BPE; this exporter writes "
+            "BPE tokenizers only: export as hf and convert with llama.cpp's converter"
+        )
+    vocab = tok.get_vocab()
+    tokens = [""] * (max(vocab.values()) + 1)
+    for text, i in vocab.items():
+        tokens[i] = text
+    special = set(tok.all_special_ids) | {
+        int(i) for i, t in tok.added_tokens_decoder.items() if t.special
+    }
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
+    for add, value in (
+        (writer.add_bos_token_id, tok.bos_token_id),
+        (writer.add_eos_token_id, tok.eos_token_id),
+        (writer.add_pad_token_id, tok.pad_token_id),
+        (writer.add_unk_token_id, tok.unk_token_id),
+    ):
+        if value is not None:
+            add(int(value))
+    bos = tok.bos_token_id  # added by the tokenizer's post-processor or its flag: ask it
+    writer.add_add_bos_token(bos is not None and tok("a").input_ids[:1] == [bos])
+    if tok.chat_template:
+        writer.add_chat_template(tok.chat_template)

@@ -1,0 +1,102 @@
+"""GGUF exports: transformers' GGUF loader (the workbench's GGUF import) gives back exactly the
+GGML type's dequantization of every weight, the tokenizer and chat template travel, and what
+cannot be written is refused naming why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from compress.export import ExportError, export, packed_weights
+from compress.gguf_export import GGUF_FILE
+from compress.load_spec import read_load_spec
+from workbench.cli import main
+
+TEXTS = ["def fibonacci(n):\n    return n", "The capital of France is", "  x = [1, 2]\n"]
+
+
+def _format_roundtrip(weight: torch.Tensor, gguf_type: str) -> torch.Tensor:
+    """What the GGML type keeps of `weight` (norms and 1-D tensors stay float32)."""
+    if weight.dim() == 1 or gguf_type == "f32":
+        return weight.float()
+    qtype = gguf.GGMLQuantizationType[gguf_type.upper()]
+    if gguf_type in ("f16", "bf16"):
+        return weight.to(getattr(torch, {"f16": "float16", "bf16": "bfloat16"}[gguf_type])).float()
+    data = gguf.quants.quantize(weight.float().numpy(), qtype)
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, qtype)))
+
+
+def _load(out: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(out, gguf_file=GGUF_FILE).eval()
+
+
+@pytest.mark.parametrize("gguf_type", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"])
+def test_gguf_round_trip_gives_the_types_dequantization(
+    tiny_model_dir: Path, tmp_path: Path, gguf_type: str
+) -> None:
+    info = export(tiny_model_dir, "gguf", tmp_path / "out", gguf_type)
+    assert info["gguf_type"] == gguf_type and Path(info["path"]).name == GGUF_FILE
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    loaded = _load(tmp_path / "out").state_dict()
+    for name, weight in reference.state_dict().items():
+        assert torch.equal(loaded[name].float(), _format_roundtrip(weight, gguf_type)), name
+    if gguf_type == "f32":
+        ids = torch.tensor([[1, 50, 60, 70, 80, 90]])
+        with torch.no_grad():
+            assert torch.equal(_load(tmp_path / "out")(ids).logits, reference(ids).logits)
+
+
+def test_gguf_carries_the_tokenizer_and_chat_template(tiny_model_dir: Path, tmp_path: Path) -> None:
+    export(tiny_model_dir, "gguf", tmp_path / "out", "q8_0")
+    ours = AutoTokenizer.from_pretrained(tiny_model_dir)
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "out", gguf_file=GGUF_FILE)
+    for text in TEXTS:
+        assert theirs(text).input_ids == ours(text).input_ids
+    reader = gguf.GGUFReader(tmp_path / "out" / GGUF_FILE)
+    template = reader.fields["tokenizer.chat_template"]
+    assert bytes(template.parts[-1]).decode() == ours.chat_template
+    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "llama"
+
+
+def test_packed_variant_exports_its_dequantized_codes(
+    built: dict[str, Path], tmp_path: Path
+) -> None:
+    source = built["rtn"]
+    if json.loads((source / "config.json").read_text())["model_type"] != "llama":
+        pytest.skip("the tiny Gemma 3's refusal has its own test")
+    info = export(source, "gguf", tmp_path / "out")
+    assert info["gguf_type"] == "q4_1"  # the variant's own 4 bits, asymmetric
+    state, codes = packed_weights(read_load_spec(source))
+    dense = {**state, **{f"{n}.weight": q.dequantize() for n, q in codes.items()}}
+    loaded = _load(tmp_path / "out").state_dict()
+    for name, weight in dense.items():
+        if name in loaded:
+            assert torch.equal(loaded[name].float(), _format_roundtrip(weight, "q4_1")), name
+
+
+def test_gemma3_is_refused_naming_what_is_written(built: dict[str, Path], tmp_path: Path) -> None:
+    source = built["base"]
+    if json.loads((source / "config.json").read_text())["model_type"] == "llama":
+        pytest.skip("the Llama variants export")
+    with pytest.raises(
+        ExportError, match=r"gemma3_text model cannot be written as GGUF.*llama, qwen2"
+    ):
+        export(source, "gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_type_errors(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ExportError, match="--gguf-type is for --format gguf"):
+        export(tiny_model_dir, "hf", tmp_path / "a", "q8_0")
+    out = tmp_path / "g"
+    assert main(["export", str(tiny_model_dir), "--format", "gguf", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "model.gguf" in printed and "F32 (GGUF)" in printed  # a float32 model: its dtype
+    with pytest.raises(SystemExit):  # argparse: "invalid choice: 'q2_k'"
+        main(["export", str(tiny_model_dir), "--format", "gguf", "--gguf-type", "q2_k"])
