@@ -1,0 +1,129 @@
+"""Does llama.cpp run our GGUF exports as the workbench runs the variants? (issue 24's check)
+
+`python -m evals.gguf_check prepare DIR VARIANT_DIR... [--windows 8] [--seq-len 128]`: exports
+each variant as GGUF (its own default type) into DIR/<name>/, cuts held-out windows of the demo
+corpus's validation split with the variant's tokenizer, and stores per window the variant's mean
+NLL (transformers on the variant, as the evals load it) and the GGUF export's (transformers'
+GGUF loader), plus the variant's logits on the first windows.
+`python benchmarks/llama_cpp_score.py DIR` (llama.cpp's venv) scores the same windows.
+`python -m evals.gguf_check compare DIR` prints per variant: perplexity through each route,
+llama.cpp's perplexity over the variant's, KL(variant || llama.cpp) and top-1 agreement.
+`benchmarks/llama_cpp_check.sh` runs all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from catalog.data import NAMED
+from compress.export import export
+from compress.gguf_export import GGUF_FILE
+from compress.load_spec import load_model
+
+KEPT_LOGITS = 4
+"""Windows whose full logits are kept for the KL (a 49k vocabulary: 25 MB per window pair)."""
+
+
+def held_out_windows(tokenizer: object, count: int, seq_len: int) -> list[list[int]]:
+    texts = [json.loads(line)["text"] for line in NAMED["corpus"]()["validation"].open()]
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer(text).input_ids  # type: ignore[operator]
+        if len(ids) >= count * seq_len:
+            break
+    return [ids[i * seq_len : (i + 1) * seq_len] for i in range(count)]
+
+
+@torch.inference_mode()
+def score(model: torch.nn.Module, windows: list[list[int]]) -> tuple[list[float], np.ndarray]:
+    """Per-window mean NLL (nats) and the first windows' logits (float16)."""
+    nll, kept = [], []
+    for i, ids in enumerate(windows):
+        logits = model(torch.tensor([ids])).logits[0].float()
+        lp = logits[:-1].log_softmax(-1)
+        nll.append(float(-lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean()))
+        if i < KEPT_LOGITS:
+            kept.append(logits.half().numpy())
+    return nll, np.stack(kept)
+
+
+def prepare(out: Path, variants: list[Path], count: int, seq_len: int) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    windows = held_out_windows(AutoTokenizer.from_pretrained(variants[0]), count, seq_len)
+    (out / "windows.json").write_text(json.dumps({"windows": windows}))
+    for variant in variants:
+        folder = out / variant.name
+        if not (folder / "export.json").is_file():
+            info = export(variant, "gguf", folder)
+            (folder / "export.json").write_text(json.dumps(info))
+            print(f"{variant.name}: exported {info['gguf_type']} ({info['bytes'] / 1e6:.0f} MB)")
+        gguf_type = json.loads((folder / "export.json").read_text())["gguf_type"]
+        ours, logits = score(load_model(variant), windows)
+        imported = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE).eval()
+        via_gguf, _ = score(imported, windows)
+        np.save(folder / "ours_logits.npy", logits)
+        record = {"nll": ours, "gguf_nll": via_gguf, "gguf_type": gguf_type}
+        (folder / "ours.json").write_text(json.dumps(record))
+        print(f"{variant.name}: scored {len(windows)} windows (variant, transformers GGUF import)")
+
+
+def compare(out: Path) -> None:
+    windows = json.loads((out / "windows.json").read_text())["windows"]
+    print(
+        "| variant | GGUF MB | ppl variant | ppl GGUF (transformers) | ppl GGUF (llama.cpp) | "
+        "llama.cpp / variant | KL(variant ‖ llama.cpp) | top-1 agreement |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for folder in sorted(p for p in out.iterdir() if (p / "llama.json").is_file()):
+        ours = json.loads((folder / "ours.json").read_text())
+        llama = json.loads((folder / "llama.json").read_text())
+        p_ours, p_gguf, p_llama = (
+            math.exp(sum(x) / len(x)) for x in (ours["nll"], ours["gguf_nll"], llama["nll"])
+        )
+        a = np.load(folder / "ours_logits.npy").astype(np.float32)[:, :-1]
+        b = np.load(folder / "llama_logits.npy").astype(np.float32)[:, :-1]
+        la = torch.from_numpy(a).log_softmax(-1)
+        lb = torch.from_numpy(b).log_softmax(-1)
+        kl = float((la.exp() * (la - lb)).sum(-1).mean())
+        agree = float(
+            (torch.from_numpy(a).argmax(-1) == torch.from_numpy(b).argmax(-1)).float().mean()
+        )
+        size = (folder / GGUF_FILE).stat().st_size / 1e6
+        print(
+            f"| {folder.name} | {size:.0f} | {p_ours:.3f} | {p_gguf:.3f} | {p_llama:.3f} | "
+            f"{p_llama / p_ours:.4f} | {kl:.4f} | {agree:.1%} |"
+        )
+    print(
+        f"({len(windows)} windows of {len(windows[0])} tokens; KL and agreement on the first "
+        f"{KEPT_LOGITS})"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("out", type=Path)
+    p.add_argument("variants", type=Path, nargs="+")
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p = sub.add_parser("compare")
+    p.add_argument("out", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "prepare":
+        prepare(args.out, args.variants, args.windows, args.seq_len)
+    else:
+        compare(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
