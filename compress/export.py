@@ -8,9 +8,9 @@
   `compressed-tensors` package's own compressor; one config group per (bits, group size,
   symmetric) with the module names as targets, so a mixed plan keeps each module's format.
   int8 embedding rows are written dequantized (the format quantizes linears only).
-- `gguf`: one GGUF file for llama.cpp (`compress.gguf_export`): the float weights quantized to
-  a GGML type (`gguf_type`; default the variant's own bits: 4-bit -> Q4_1, 8-bit -> Q8_0, a
-  float variant its dtype), tokenizer and chat template in its metadata. Packed variants, float
+- `gguf`: one GGUF file for llama.cpp (`compress.gguf_export`): what the variant quantized in a
+  GGML type of its bits (4-bit -> Q4_1, 8-bit -> Q8_0), the rest in its float dtype, or every
+  2-D weight in `gguf_type`; tokenizer and chat template in its metadata. Packed variants, float
   ones and int4-wo (whose bfloat16 weights torchao quantizes at load) export to it.
 Contract: the export dir appears whole or not at all (written beside it and renamed last); a
 variant whose storage the format cannot express is refused, naming why and what it can export to.
@@ -82,19 +82,32 @@ def export(source: Path, fmt: str, out: Path, gguf_type: str | None = None) -> d
 
 
 def _export_gguf(spec: LoadSpec, out: Path, gguf_type: str | None) -> dict[str, Any]:
-    from compress.gguf_export import GGUF_FILE, GgufExportError, default_type, write_gguf
+    from compress.gguf_export import GGUF_FILE, GgufExportError, float_type, write_gguf
 
+    types: dict[str, str] = {}  # the weights the variant quantized, in a type of its bits
     if spec.format == "packed":
         state, codes = packed_weights(spec)
         for name, qw in codes.items():
             state[f"{name}.weight"] = qw.dequantize()
-        bits = {PackedFormat.parse(f).bits for f in spec.module_formats.values()}
+            fmt = spec.module_formats.get(name)
+            types[f"{name}.weight"] = (
+                "q4_1" if fmt and PackedFormat.parse(fmt).bits == 4 else "q8_0"
+            )
     else:
-        state, bits = read_tensors(spec.path), ({4} if spec.format == "int4-at-load" else set())
-    chosen = gguf_type or default_type(state, bits)
+        state = read_tensors(spec.path)
+        if spec.format == "int4-at-load":
+            skip = tuple(f"{m}.weight" for m in spec.params.get("skip", []))
+            types = {
+                k: "q4_1"
+                for k, t in state.items()
+                if t.dim() == 2 and k.endswith(".weight") and "embed" not in k and k not in skip
+            }
+    rest = float_type(state)
+    if gguf_type is not None:  # one type for every 2-D weight
+        types, rest = {}, gguf_type
     with atomic_dir(out) as tmp:
         try:
-            counts = write_gguf(spec.path, state, chosen, tmp / GGUF_FILE)
+            counts = write_gguf(spec.path, state, types, rest, tmp / GGUF_FILE)
         except GgufExportError as e:
             raise ExportError(str(e)) from None
     size = (out / GGUF_FILE).stat().st_size
@@ -104,7 +117,7 @@ def _export_gguf(spec: LoadSpec, out: Path, gguf_type: str | None) -> dict[str, 
         "files": [GGUF_FILE],
         "bytes": size,
         "schemes": {f"{t} (GGUF)": [f"{n} tensors"] for t, n in counts.items()},
-        "gguf_type": chosen,
+        "gguf_type": gguf_type or "/".join(sorted({rest, *types.values()})),
     }
 
 

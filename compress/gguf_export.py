@@ -2,8 +2,11 @@
 
 Model: the variant's weights in float (a packed variant's codes dequantized; an int4-wo variant's
 bfloat16 weights, which torchao quantizes only when loaded) are written under llama.cpp's tensor
-names (`gguf.TensorNameMap`), 2-D weights in the chosen GGML type (F32, F16, BF16, Q8_0, Q4_0,
-Q4_1: the types the `gguf` package quantizes) and norms in F32, as llama.cpp's converter does.
+names (`gguf.TensorNameMap`): the weights the variant quantized in a GGML type of the same bits
+(4 -> Q4_1, the asymmetric min/scale grid of torchao's and RTN's 4-bit; 8 -> Q8_0), the weights it
+kept in float in its float dtype, norms in F32, as llama.cpp's converter does; `--gguf-type`
+puts every 2-D weight in one type (F32, F16, BF16, Q8_0, Q4_0, Q4_1: the types the `gguf`
+package quantizes).
 Llama's q/k projections are permuted to GGML's interleaved rotary layout (the inverse of what
 transformers' GGUF loader undoes). The hyperparameters, the tokenizer (byte-level BPE as `gpt2`:
 tokens, token types, merges, special ids) and the chat template travel in the file's metadata.
@@ -30,21 +33,22 @@ class GgufExportError(ValueError):
     """A variant that cannot be written as GGUF; the message names why and the fix."""
 
 
-def default_type(state: dict[str, torch.Tensor], bits: set[int]) -> str:
-    """The GGML type closest to the variant's own storage: its packed bits, else its dtype."""
-    if 4 in bits:
-        return "q4_1"
-    if 8 in bits:
-        return "q8_0"
+def float_type(state: dict[str, torch.Tensor]) -> str:
+    """The GGML type of the variant's own float dtype."""
     dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     return {torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "f32")
 
 
 def write_gguf(
-    source: Path, state: dict[str, torch.Tensor], gguf_type: str, out_file: Path
+    source: Path,
+    state: dict[str, torch.Tensor],
+    types: dict[str, str],
+    rest: str,
+    out_file: Path,
 ) -> dict[str, Any]:
     """Write `state` (the variant's float weights, by transformers name) with `source`'s config
-    and tokenizer as `out_file`; returns the tensor count per GGML type."""
+    and tokenizer as `out_file`: a 2-D weight in `types[name]`, any other 2-D one in `rest`, 1-D
+    tensors in F32; returns the tensor count per GGML type."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
@@ -55,12 +59,15 @@ def write_gguf(
             f"(it writes {', '.join(ARCHITECTURES)}); export it as hf and convert that with "
             "llama.cpp's convert_hf_to_gguf.py"
         )
-    if gguf_type not in GGUF_TYPES:
-        raise GgufExportError(f"--gguf-type: found {gguf_type!r}; allowed: {', '.join(GGUF_TYPES)}")
+    for wanted in {rest, *types.values()}:
+        if wanted not in GGUF_TYPES:
+            raise GgufExportError(
+                f"--gguf-type: found {wanted!r}; allowed: {', '.join(GGUF_TYPES)}"
+            )
     arch = gguf.MODEL_ARCH[config.model_type.upper()]
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     writer = gguf.GGUFWriter(str(out_file), config.model_type)
-    _hyperparameters(writer, config, gguf_type)
+    _hyperparameters(writer, config, "/".join(sorted({rest, *types.values()})))
     _tokenizer(writer, AutoTokenizer.from_pretrained(source))
     counts: dict[str, int] = {}
     for hf_name, tensor in state.items():
@@ -70,7 +77,7 @@ def write_gguf(
         if name is None:
             raise GgufExportError(f"{source}: no GGUF name for tensor {hf_name}")
         data = _permuted(hf_name, tensor.float(), config)
-        qtype = _type_for(gguf, gguf_type, data)
+        qtype = _type_for(gguf, types.get(hf_name, rest), data)
         array = data.numpy()
         if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             array = array.astype(

@@ -71,13 +71,16 @@ def test_packed_variant_exports_its_dequantized_codes(
     if json.loads((source / "config.json").read_text())["model_type"] != "llama":
         pytest.skip("the tiny Gemma 3's refusal has its own test")
     info = export(source, "gguf", tmp_path / "out")
-    assert info["gguf_type"] == "q4_1"  # the variant's own 4 bits, asymmetric
+    assert info["gguf_type"] == "f32/q4_1"  # its 4-bit linears; what it kept float stays so
     state, codes = packed_weights(read_load_spec(source))
+    quantized = {f"{n}.weight" for n in codes}
     dense = {**state, **{f"{n}.weight": q.dequantize() for n, q in codes.items()}}
     loaded = _load(tmp_path / "out").state_dict()
+    assert quantized and "model.embed_tokens.weight" not in quantized
     for name, weight in dense.items():
         if name in loaded:
-            assert torch.equal(loaded[name].float(), _format_roundtrip(weight, "q4_1")), name
+            kind = "q4_1" if name in quantized else "f32"
+            assert torch.equal(loaded[name].float(), _format_roundtrip(weight, kind)), name
 
 
 def test_gemma3_is_refused_naming_what_is_written(built: dict[str, Path], tmp_path: Path) -> None:
