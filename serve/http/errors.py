@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,6 +18,11 @@ from serve.http.serving import ClientGone, RequestError
 from serve.http.state import Busy, model_not_found, server_state
 from serve.lora.adapter import AdapterError
 from serve.lora.manager import AdapterLimit
+
+_SHORT = reprlib.Repr()
+"""Echoes a bad value in bounded work and length (a 300,000-element list is not printed)."""
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 3, 6, 6
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
 
 
 def _field(loc: tuple[Any, ...]) -> str:
@@ -37,7 +43,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str]:
         return field, f"unknown field {field!r}; remove it (see the OpenAI API for the fields)"
     if first["type"] == "missing":
         return field, f"missing required field {field!r}"
-    return field, f"{field}: {first['msg']} (got {first.get('input')!r})"
+    return field, f"{field}: {first['msg']} (got {_SHORT.repr(first.get('input'))})"
 
 
 async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

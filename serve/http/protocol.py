@@ -253,15 +253,24 @@ class CompletionRequest(SamplingFields):
     best_of: Literal[1] | None = None
     suffix: None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_count(cls, data: Any) -> Any:
+        """Refuse too many prompts before any of them is validated (work bounded by the
+        bound, not by the body)."""
+        value = data.get("prompt") if isinstance(data, dict) else None
+        if not isinstance(value, list) or not value or not isinstance(value[0], list | str):
+            return data
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(
+                f"prompt: {len(value)} prompts in one request; at most {MAX_PROMPTS}: split "
+                "them into several requests"
+            )
+        return data
+
     @field_validator("prompt")
     @classmethod
     def _not_empty(cls, value: Any) -> Any:
-        many = isinstance(value, list) and value and isinstance(value[0], list | str)
-        if many and len(value) > MAX_PROMPTS:
-            raise ValueError(
-                f"{len(value)} prompts in one request; at most {MAX_PROMPTS}: split them "
-                "into several requests"
-            )
         if (
             value == ""
             or value == []

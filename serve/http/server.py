@@ -14,6 +14,7 @@ Layout: `completions`, `chat` and `adapters` hold the routes, `errors` the error
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -70,6 +71,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        # what startup made (the model, the tokenizer, the engine) leaves the collector's scans,
+        # as in vLLM: parsing a body of 300,000 small JSON lists took 1.3 s of collections over
+        # the whole heap, on the event loop, and 0.17 s after this
+        gc.collect()
+        gc.freeze()
         yield
         engine.stop()
 
