@@ -7,9 +7,11 @@ stays well above float32 noise: token-exact comparison against `generate` is the
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from transformers import (
@@ -23,6 +25,7 @@ from transformers import (
 
 from compress.load_spec import load_model
 from serve.model import cpu_attention
+from tests.serve.server_util import ThreadServer, start_thread_server
 
 needs_c_compiler = pytest.mark.skipif(
     cpu_attention.load_kernel() is None,
@@ -122,3 +125,16 @@ def cases(model_dirs: dict[str, Path]) -> list[Case]:
 @pytest.fixture(scope="session")
 def references(model_dirs: dict[str, Path], cases: list[Case]) -> dict[str, list[list[int]]]:
     return {a: reference_outputs(d, cases) for a, d in model_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs: dict[str, Path]) -> Iterator[ThreadServer]:
+    """A real server (uvicorn, a free port) on the tiny Llama, one per test module."""
+    s = start_thread_server(model_dirs["llama"], max_waiting=1000)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ThreadServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)

@@ -36,6 +36,21 @@ json_values = st.recursive(
     max_leaves=12,
 )
 
+SAMPLING_EXTENSIONS = [
+    "min_p",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "response_format",
+    "structured_outputs",
+]
+"""Fields both generation routes take (vLLM's sampling extensions, structured outputs)."""
+
 FIELDS = {
     "/v1/completions": [
         "model",
@@ -54,17 +69,7 @@ FIELDS = {
         "echo",
         "user",
         "best_of",
-        "min_p",
-        "min_tokens",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "logit_bias",
-        "stop_token_ids",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-        "response_format",
-        "structured_outputs",
+        *SAMPLING_EXTENSIONS,
     ],
     "/v1/chat/completions": [
         "model",
@@ -80,17 +85,7 @@ FIELDS = {
         "logprobs",
         "top_logprobs",
         "ignore_eos",
-        "min_p",
-        "min_tokens",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "logit_bias",
-        "stop_token_ids",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-        "response_format",
-        "structured_outputs",
+        *SAMPLING_EXTENSIONS,
     ],
     "/v1/load_lora_adapter": ["lora_name", "lora_path", "evict"],
     "/v1/unload_lora_adapter": ["lora_name"],

@@ -8,7 +8,6 @@ import asyncio
 import json
 import random
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,18 +20,6 @@ from serve import LLM, SamplingParams
 from serve.core.config import CacheConfig
 from tests.serve.conftest import Case
 from tests.serve.server_util import ThreadServer, start_thread_server
-
-
-@pytest.fixture(scope="module")
-def server(model_dirs: dict[str, Path]) -> Iterator[ThreadServer]:
-    s = start_thread_server(model_dirs["llama"], max_waiting=1000)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: ThreadServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,22 +23,10 @@ from tests.serve.server_util import (
 
 
 @pytest.fixture(scope="module")
-def server(model_dirs: dict[str, Path]) -> Iterator[ThreadServer]:
-    s = start_thread_server(model_dirs["llama"], max_waiting=1000)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def offline(model_dirs: dict[str, Path]) -> LLM:
     return LLM(
         model_dirs["llama"], device="cpu", dtype="float32", cache=CacheConfig(num_blocks=1024)
     )
-
-
-@pytest.fixture(scope="module")
-def client(server: ThreadServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 def metrics(url: str, api_key: str | None = None) -> dict[str, float]:
