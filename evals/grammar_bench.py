@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from catalog import ensure_demo_model
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.core.sampling_params import Grammar, SamplingParams
 from serve.engine.llm_engine import LLMEngine
@@ -91,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--free-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    if args.model is None:
-        from catalog import ensure_demo_model
-
-        args.model = ensure_demo_model("demo-tiny")
+    args.model = args.model or ensure_demo_model("demo-tiny")
     engine = LLMEngine(
         ModelConfig(str(args.model), dtype="float32", device="cpu"),
         CacheConfig(num_blocks=2048, block_size=16),

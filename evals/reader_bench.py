@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from catalog import ensure_demo_model
+
 
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -87,10 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=23)
     args, flags = parser.parse_known_args(argv)
     flags = [f for f in flags if f != "--"]
-    if args.model is None:
-        from catalog import ensure_demo_model
-
-        args.model = ensure_demo_model("demo-tiny")
+    args.model = args.model or ensure_demo_model("demo-tiny")
     port = free_port()
     proc = start(args.model, port, ["--max-model-len", str(args.max_tokens + 16), *flags])
     try:

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from catalog import ensure_demo_model
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.engine.async_engine import AsyncEngine
 from serve.engine.llm_engine import LLMEngine
@@ -90,10 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--body", choices=["text", "prompts"], default="text")
     args = parser.parse_args(argv)
-    if args.model is None:
-        from catalog import ensure_demo_model
-
-        args.model = ensure_demo_model("demo-tiny")
+    args.model = args.model or ensure_demo_model("demo-tiny")
     url, server = serve_in_thread(args.model, args.max_model_len)
     try:
         big = big_body(args.body, args.megabytes)

@@ -103,7 +103,7 @@ class Pipeline:
         self.keep_checkpoints = keep_checkpoints
         self.recipe_hash = recipe_hash(recipe)
         self.evaluate = evaluate
-        self._lock_depth = 0
+        self._locked = False
 
     def check(
         self,
@@ -148,16 +148,12 @@ class Pipeline:
         """Hold the work dir's lock (on the main process), leftovers of killed builds removed:
         `run` takes it, and a caller that also measures what was built holds it across both, so
         no concurrent run can swap a variant under a measurement. Re-entrant per pipeline."""
-        if self._lock_depth:
-            self._lock_depth += 1
-            try:
-                yield
-            finally:
-                self._lock_depth -= 1
+        if self._locked:
+            yield
             return
         lock = file_lock(self.work_dir / ".lock") if is_main() else contextlib.nullcontext()
         with lock:
-            self._lock_depth = 1
+            self._locked = True
             try:
                 if is_main():
                     for sub in ("variants", "artifacts"):
@@ -165,7 +161,7 @@ class Pipeline:
                 barrier()
                 yield
             finally:
-                self._lock_depth = 0
+                self._locked = False
 
     def run(
         self,

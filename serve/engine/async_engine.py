@@ -66,6 +66,11 @@ class OutputCollector:
         self.item: RequestOutput | BaseException | None = None
         self.ready = asyncio.Event()
 
+    def fail(self, error: BaseException) -> None:
+        """Drop the unread output: the reader gets `error` next."""
+        self.item = None
+        self.put(error)
+
     def put(self, item: RequestOutput | BaseException) -> None:
         """Merge a delta into the unread one, else replace it; an error is never replaced."""
         held = self.item
@@ -359,8 +364,7 @@ class AsyncEngine:
         tracked.collector.put(out)
         if tracked.finished or tracked.collector.unread_tokens <= self.max_unread_tokens:
             return
-        tracked.collector.item = None
-        tracked.collector.put(
+        tracked.collector.fail(
             ReaderTooSlow(
                 f"the client read none of the last {self.max_unread_tokens} tokens of this "
                 "stream; the request was aborted (raise --max-unread-tokens to allow slower "

@@ -68,7 +68,6 @@ class RequestState:
             skip_special_tokens=params.skip_special_tokens,
         )
         self.kind = params.output_kind
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
         self.sent_tokens = self.sent_text = 0
         self.sent_prompt_logprobs = False
 
@@ -88,7 +87,8 @@ class RequestState:
         token_ids, logprobs = request.output_token_ids, request.logprobs
         prompt_logprobs = request.prompt_logprobs if finished else []
         if self.kind is OutputKind.DELTA:
-            upto = len(text) if finished else max(self.sent_text, len(text) - self.hold)
+            hold = max(0, self.detokenizer.longest_stop - 1)  # a stop string's start, held back
+            upto = len(text) if finished else max(self.sent_text, len(text) - hold)
             text, self.sent_text = text[self.sent_text : upto], upto
             token_ids, logprobs = token_ids[self.sent_tokens :], logprobs[self.sent_tokens :]
             self.sent_tokens = len(request.output_token_ids)

@@ -94,12 +94,17 @@ class ServerState:
     chat_template: str | None = None
     """The --chat-template's text (None: the tokenizer's own)."""
 
+    def check_model(self, model: str) -> None:
+        """404 unless `model` is the base or a loaded adapter."""
+        base = self.settings.model_name
+        if model != base and model not in self.engine.adapter_names():
+            raise model_not_found(model, base)
+
     def check_room(self, model: str, num_requests: int) -> None:
         """404 / 503 now, before any work, when the request could not be admitted; `admit`
         decides (again) when the requests are added, with nothing awaited in between."""
-        engine, base = self.engine, self.settings.model_name
-        if model != base and model not in engine.adapter_names():
-            raise model_not_found(model, base)
+        self.check_model(model)
+        engine = self.engine
         queued = engine.num_unfinished - engine.stats.num_running
         if queued + num_requests > self.settings.max_waiting:
             raise Busy(self.settings.max_waiting)

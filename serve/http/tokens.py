@@ -14,7 +14,7 @@ from serve.core.sampling_params import GRAMMAR_KINDS
 from serve.http.chat import render_chat
 from serve.http.protocol import ChatMessage, Strict
 from serve.http.serving import RequestError, encode, token_strings
-from serve.http.state import Server, model_not_found
+from serve.http.state import Server
 
 router = APIRouter()
 
@@ -35,12 +35,6 @@ class TokenizeRequest(Strict):
 class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: Annotated[list[int], Field(max_length=MAX_DETOKENIZE)]
-
-
-def _check_model(server: Server, model: str | None) -> None:
-    base = server.settings.model_name
-    if model is not None and model != base and model not in server.engine.adapter_names():
-        raise model_not_found(model, base)
 
 
 def tokenize(body: TokenizeRequest, server: Server) -> dict[str, Any]:
@@ -68,13 +62,15 @@ def tokenize(body: TokenizeRequest, server: Server) -> dict[str, Any]:
 
 @router.post("/tokenize")
 async def create_tokenize(body: TokenizeRequest, server: Server) -> dict[str, Any]:
-    _check_model(server, body.model)
+    if body.model is not None:
+        server.check_model(body.model)
     return await asyncio.to_thread(tokenize, body, server)
 
 
 @router.post("/detokenize")
 async def create_detokenize(body: DetokenizeRequest, server: Server) -> dict[str, Any]:
-    _check_model(server, body.model)
+    if body.model is not None:
+        server.check_model(body.model)
     vocab = server.engine.vocab_size
     if bad := [t for t in body.tokens if not 0 <= t < vocab]:
         raise RequestError(

@@ -112,8 +112,7 @@ class Sampler:
         ]
 
     def _one(self, row: torch.Tensor, item: SampleInput) -> int:
-        if item.plain:
-            return int(row.argmax())
+        """A row that is not plain (`sample` took those in one argmax)."""
         if item.params.changes_logits:
             row = process(
                 row,
