@@ -1,5 +1,6 @@
 """Quality of one variant with lm-eval: `simple_evaluate` over an `HFLM` that wraps the model
-already in memory (an adapter variant is its base with the adapter applied through PEFT).
+already in memory (an adapter variant is its base with the adapter applied through PEFT), its
+loglikelihoods scored by `evals.continuation_lm` (the head only where lm-eval reads it).
 
 Model: a task is either one of ours (the YAML files in `evals/tasks/`, documents from local files)
 or one of lm-eval's standard tasks by its standard name (`evals.standard_tasks`: lm-eval's own
@@ -159,10 +160,12 @@ def evaluate_model(
 ) -> dict[str, Any]:
     """lm-eval's full results dict for `model` (a transformers or PEFT model) on `tasks`, with
     every document's scores (`samples`) unless `log_samples` is off."""
-    from lm_eval.models.huggingface import HFLM
+    from evals.continuation_lm import ContinuationLM
 
     # the model and tokenizer are objects already: only the tasks need the hub switched off
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    lm = ContinuationLM(
+        pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length
+    )
     return run_tasks(lm, None, tasks, limit, log_samples)
 
 

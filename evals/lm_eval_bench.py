@@ -1,0 +1,89 @@
+"""lm-eval's HFLM against `ContinuationLM` on the same model, tasks and documents.
+
+`python -m evals.lm_eval_bench [--model gemma3-270m] [--tasks hellaswag,arc_easy,piqa]
+[--limit 40] [--batch-size 16] [--max-length 512] [--rounds 2]`
+
+Model: both score the same seeded document subsets in float32 (the recipe's quality settings);
+the systems alternate round by round and each one's median wall time is reported, with the ratio,
+and whether every logged answer agrees (log-likelihoods within 1e-3 nats, accuracies equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from evals.quality import TaskRequest, run_tasks
+from evals.step_bench import resolve_model
+
+
+def _system(name: str) -> Any:
+    from lm_eval.models.huggingface import HFLM
+
+    from evals.continuation_lm import ContinuationLM
+
+    return {"hflm": HFLM, "continuation": ContinuationLM}[name]
+
+
+def _answers(results: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+    out = {}
+    for task, samples in results["samples"].items():
+        rows = sorted(samples, key=lambda s: s["doc_id"])
+        out[task] = [(float(r[0][0]), s["acc"]) for s in rows for r in s["resps"]]
+    return out
+
+
+def _agree(
+    a: dict[str, list[tuple[float, float]]], b: dict[str, list[tuple[float, float]]]
+) -> bool:
+    return a.keys() == b.keys() and all(
+        len(a[t]) == len(b[t])
+        and all(abs(x - y) <= 1e-3 and p == q for (x, p), (y, q) in zip(a[t], b[t], strict=True))
+        for t in a
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="gemma3-270m", help="built-in name or model dir")
+    parser.add_argument("--tasks", default="hellaswag,arc_easy,piqa")
+    parser.add_argument("--limit", type=int, default=40, help="documents per task (seeded subset)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    model_dir = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    requests = [TaskRequest(t, limit=args.limit) for t in args.tasks.split(",")]
+    seconds: dict[str, list[float]] = {"hflm": [], "continuation": []}
+    answers: dict[str, Any] = {}
+    for round_ in range(args.rounds):
+        order = list(seconds) if round_ % 2 == 0 else list(reversed(seconds))
+        for name in order:
+            lm = _system(name)(
+                pretrained=model,
+                tokenizer=tokenizer,
+                batch_size=args.batch_size,
+                max_length=args.max_length,
+            )
+            start = time.perf_counter()
+            answers[name] = _answers(run_tasks(lm, None, requests, None, True))
+            seconds[name].append(time.perf_counter() - start)
+            print(f"round {round_ + 1} {name:12s} {seconds[name][-1]:7.1f} s", flush=True)
+    hflm, ours = (statistics.median(seconds[n]) for n in ("hflm", "continuation"))
+    print(
+        f"{model_dir.name}: {args.tasks} x {args.limit} docs; HFLM {hflm:.1f} s, ContinuationLM "
+        f"{ours:.1f} s (median of {args.rounds}): {hflm / ours:.2f}x faster; answers agree: "
+        f"{_agree(answers['hflm'], answers['continuation'])}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
