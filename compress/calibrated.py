@@ -7,13 +7,15 @@ Model: load the input in float32, pick the linears (`targets` minus `ignore`), t
   each weight, the layer's weights replaced by their quantized values before the next layer;
 - awq: `run_layerwise` with AWQ's scales and clipping applied to each layer (the float function
   unchanged by the scales), then rtn or gptq (`then`) on the scaled model.
-Embeddings (and a tied lm_head) are their own choice: `keep` or `int8` per row.
+Embeddings (and a tied lm_head) are their own choice: `keep`, `int8` per row (symmetric), or
+`int4` in groups (GPTQ's asymmetric grid; `int4` is groups of 32, `int4-g64` .. of others).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
+import torch
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from torch import nn
 
@@ -34,7 +36,14 @@ from compress.packed import INT4_GROUP_SIZES, PackedFormat, Quantized
 from compress.packed_io import PackedModel
 from compress.registry import StepContext, StepError, StepParams
 
-Embeddings = Literal["keep", "int8"]
+Embeddings = Literal["keep", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256"]
+
+
+def embedding_format(embeddings: Embeddings) -> PackedFormat | None:
+    """The packed format an `embeddings` setting names (None: kept in float)."""
+    if embeddings == "keep":
+        return None
+    return PackedFormat.parse("int4-g32" if embeddings == "int4" else embeddings)
 
 
 class CheckedCalibration(CalibrationParams):
@@ -52,7 +61,8 @@ class PackedParams(StepParams):
     """4-bit: input features per scale and zero point; must be absent (null) for 8-bit, which
     is per output channel."""
     embeddings: Embeddings = "keep"
-    """The input embedding (and a tied lm_head): kept in float, or int8 per row."""
+    """The input embedding (and a tied lm_head): kept in float, int8 per row, or int4 in groups
+    (`int4`: of 32)."""
     targets: list[str] | None = None
     """Linear layers to quantize, by name or `re:` regex; all of the decoder's when absent."""
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
@@ -131,8 +141,22 @@ def quantized_linears(model: nn.Module, chosen: set[str]) -> dict[str, nn.Linear
     return {n: m for n, m in model.named_modules() if n in chosen and isinstance(m, nn.Linear)}
 
 
-def embeddings_int8(model: Any) -> Quantized:
-    return rtn(model.get_input_embeddings().weight.detach(), PackedFormat(8, None), sym=True)
+def quantize_embeddings(
+    model: Any, embeddings: Embeddings
+) -> tuple[PackedFormat, Quantized] | None:
+    """The input embedding's codes as `embeddings` says (int8: symmetric per row; int4: the
+    asymmetric grid per group), its float weight (a tied head's too) replaced by their values
+    so that calibration and measurement see the built model; StepError when its shape does not
+    fit the format."""
+    fmt = embedding_format(embeddings)
+    if fmt is None:
+        return None
+    check_embeddings(model, embeddings)
+    weight = model.get_input_embeddings().weight.detach().float()
+    codes = rtn(weight, fmt, sym=fmt.bits == 8)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(codes.dequantize())
+    return fmt, codes
 
 
 def calibrate(
@@ -155,6 +179,7 @@ def quantize_packed(
     """The model's chosen linears packed by `params.method` (the model's float weights are
     changed in place: scaled by AWQ, replaced by their quantized values for GPTQ)."""
     fmt, info = params.format, params.record()
+    embeddings = quantize_embeddings(model, params.embeddings)  # first: its errors cost nothing
     modules: dict[str, tuple[PackedFormat, Quantized]] = {}
     if isinstance(params, RTNParams | HQQParams):
         for name, linear in quantized_linears(model, chosen).items():
@@ -180,7 +205,6 @@ def quantize_packed(
                 n: (fmt, rtn(m.weight.detach(), fmt))
                 for n, m in quantized_linears(model, chosen).items()
             }
-    embeddings = embeddings_int8(model) if params.embeddings == "int8" else None
     return PackedModel(model, modules, embeddings), info
 
 
@@ -225,6 +249,26 @@ def gptq_layerwise(
 
     run_layerwise(model, calibration.rows, params.batch_size, visit)
     return modules
+
+
+def check_embeddings(model: Any, embeddings: Embeddings) -> None:
+    """int4 rows need a hidden size divisible by the group size and a vocabulary by 16 (the
+    int4 kernel's row blocks, which a tied head runs through)."""
+    fmt = embedding_format(embeddings)
+    vocab, hidden = model.get_input_embeddings().weight.shape
+    if fmt is None or fmt.bits != 4:
+        return
+    assert fmt.group_size is not None
+    if hidden % fmt.group_size:
+        raise StepError(
+            f"embeddings: {embeddings} needs a hidden size divisible by {fmt.group_size} (this "
+            f"model's is {hidden}); use int4-g32, or int8"
+        )
+    if vocab % 16:
+        raise StepError(
+            f"embeddings: int4 needs a vocabulary divisible by 16 (the int4 kernel's row "
+            f"blocks; this model's is {vocab}); use int8"
+        )
 
 
 def check_shapes(model: nn.Module, names: list[str], fmt: PackedFormat) -> None:

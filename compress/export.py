@@ -7,7 +7,7 @@
   format's signed convention (code - 2^(bits-1), zero point - 2^(bits-1)) and packed by the
   `compressed-tensors` package's own compressor; one config group per (bits, group size,
   symmetric) with the module names as targets, so a mixed plan keeps each module's format.
-  int8 embedding rows are written dequantized (the format quantizes linears only).
+  A quantized embedding's rows are written dequantized (the format quantizes linears only).
 - `gguf`: one GGUF file for llama.cpp (`compress.gguf_export`): what the variant quantized in a
   GGML type of its bits (4-bit -> Q4_1, 8-bit -> Q8_0), the rest in its float dtype, or every
   2-D weight in `gguf_type`; tokenizer and chat template in its metadata. Packed variants, float
@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from compress.artifact import atomic_dir
 from compress.load_spec import PACKED, LoadSpec, read_load_spec
 from compress.packed import PackedFormat, Quantized
-from compress.packed_io import SUFFIXES, WEIGHTS, read_tensors, take_quantized
+from compress.packed_io import SUFFIXES, WEIGHTS, embedding_format, read_tensors, take_quantized
 
 ExportFormat = Literal["hf", "compressed-tensors", "gguf"]
 EXPORT_FORMATS: tuple[ExportFormat, ...] = ("hf", "compressed-tensors", "gguf")
@@ -69,7 +69,7 @@ def export(source: Path, fmt: str, out: Path, gguf_type: str | None = None) -> d
         schemes: dict[str, list[str]] = {}
         if fmt == "compressed-tensors":
             config["quantization_config"], schemes = _compress(spec, state, codes)
-        for name, qw in codes.items():  # all for hf; the int8 embedding for compressed-tensors
+        for name, qw in codes.items():  # all for hf; the quantized embedding for compressed-tensors
             state[f"{name}.weight"] = qw.dequantize().contiguous()
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -89,10 +89,9 @@ def _export_gguf(spec: LoadSpec, out: Path, gguf_type: str | None) -> dict[str, 
         state, codes = packed_weights(spec)
         for name, qw in codes.items():
             state[f"{name}.weight"] = qw.dequantize()
-            fmt = spec.module_formats.get(name)
-            types[f"{name}.weight"] = (
-                "q4_1" if fmt and PackedFormat.parse(fmt).bits == 4 else "q8_0"
-            )
+            name_of = spec.module_formats.get(name)
+            fmt = PackedFormat.parse(name_of) if name_of else embedding_format(spec)
+            types[f"{name}.weight"] = "q4_1" if fmt and fmt.bits == 4 else "q8_0"
     else:
         state = read_tensors(spec.path)
         if spec.format == "int4-at-load":
@@ -148,13 +147,14 @@ def _checked(source: Path, fmt: str, out: Path) -> LoadSpec:
 
 
 def packed_weights(spec: LoadSpec) -> tuple[dict[str, torch.Tensor], dict[str, Quantized]]:
-    """A packed checkpoint's float tensors and, per coded module (the int8 embedding included),
+    """A packed checkpoint's float tensors and, per coded module (a quantized embedding included),
     its codes; the coded modules' keys are removed from the float tensors."""
     state = read_tensors(spec.path)
     coded = {n: PackedFormat.parse(f).bits for n, f in spec.module_formats.items()}
-    if spec.params.get("embeddings") == "int8":
+    embed_fmt = embedding_format(spec)
+    if embed_fmt is not None:
         embedding = next(k[: -len(".qweight")] for k in state if _is_embedding_codes(k, coded))
-        coded[embedding] = 8
+        coded[embedding] = embed_fmt.bits
     codes = {n: take_quantized(state, n, bits, torch.device("cpu")) for n, bits in coded.items()}
     assert not any(k.endswith(SUFFIXES) for k in state), "left-over codes"
     return state, codes

@@ -28,7 +28,7 @@ LOAD_QUANTIZATION = "workbench_quantization.json"
 saved as safetensors): {"method": "int4-wo", "group_size": G, "skip": [module names]}."""
 PACKED = "workbench_packed.json"
 """Next to a packed checkpoint: {"format": "packed", "version": 1, "modules": {name: format},
-"embeddings": "int8" | null, "tied": bool, "method": ...}."""
+"embeddings": "int8" | "int4-g32" .. "int4-g256" | null, "tied": bool, "method": ...}."""
 PACKED_VERSION = 1
 Format = Literal["hf", "hf-quantized", "int4-at-load", "packed"]
 

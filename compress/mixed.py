@@ -20,7 +20,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from compress.calibrated import CheckedCalibration, Embeddings, embeddings_int8, gptq_layerwise
+from compress.calibrated import (
+    CheckedCalibration,
+    Embeddings,
+    embedding_format,
+    gptq_layerwise,
+    quantize_embeddings,
+)
 from compress.calibration import calibration_rows
 from compress.gptq import GPTQSettings
 from compress.grids import hqq, rtn
@@ -157,8 +163,11 @@ def _budget_bytes(params: MixedParams, model: Any, parts: list[Part], planned: s
     for name, tensor in model.named_parameters(remove_duplicate=True):
         if name.removesuffix(".weight") in planned:
             continue
-        if tensor is embed and params.embeddings == "int8":
-            other += tensor.numel() + tensor.shape[0] * 8
+        fmt = embedding_format(params.embeddings)
+        if tensor is embed and fmt is not None:
+            other += math.ceil(tensor.numel() * fmt.bits_per_weight() / 8) + (
+                0 if fmt.group_size else tensor.shape[0] * 8
+            )
         else:
             other += tensor.numel() * 4
     left = (params.budget.size_bytes() or 0) - other
@@ -166,7 +175,7 @@ def _budget_bytes(params: MixedParams, model: Any, parts: list[Part], planned: s
         raise StepError(
             f"budget.size: {params.budget.size} is less than the {other:,} bytes of the weights "
             "outside the plan (embeddings, norms, ignored linears); raise it, or set "
-            "embeddings: int8"
+            "embeddings: int8 (or int4)"
         )
     return left
 
@@ -179,6 +188,7 @@ def quantize_mixed(
     ctx: StepContext,
     progress: Any,
 ) -> tuple[PackedModel, dict[str, Any]]:
+    embeddings = quantize_embeddings(model, params.embeddings)  # first: its errors cost nothing
     parts = parts_of(model, chosen)
     planned = {n for p in parts for n in p.linears}
     modules = dict(model.named_modules())
@@ -219,7 +229,6 @@ def quantize_mixed(
         "predicted_kl": sum(losses[p.name][chosen_plan[p.name]] for p in parts),
         "measured_kl": kl(reference, run_from(model, 0, inputs)),
     }
-    embeddings = embeddings_int8(model) if params.embeddings == "int8" else None
     return PackedModel(model, packed, embeddings), info
 
 

@@ -17,8 +17,9 @@ fitted one) alike.
   the tests' models stay token-exact, but the kernels' bf16 rounding can depend on how many rows
   a call has, so a near tie on a real model can flip (seen once on Gemma 3: an xfail test).
 - On other devices both dequantize per call in the model's dtype (correct, not fast).
-- An embedding may be int8 per row (a table lookup dequantizes the rows it reads); a tied
-  `lm_head` then reads the same codes through the int8 kernel.
+- An embedding may be int8 per row or int4 in groups (a table lookup dequantizes the rows it
+  reads); a tied `lm_head` then reads the same codes through the kernel, one copy in memory
+  (int4 rows are read back from the kernel's layout: `compress.int4pack`).
 Stored in safetensors as `<module>.qweight` (uint8; int4 two codes a byte, even column in the low
 nibble), `<module>.scales` and `<module>.zeros` (float32, [out, groups]).
 """
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from compress.int4pack import find_layout
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 KERNEL_DTYPE = torch.bfloat16
@@ -119,6 +122,9 @@ class PackedLinear4(nn.Module):
             sz = torch.stack([qw.scales.t(), offsets.t()], dim=-1).contiguous().to(KERNEL_DTYPE)
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales_and_zeros", sz, persistent=False)
+            self.layout = find_layout()
+            if self.layout is None:  # rows cannot be read back from the kernel's bytes
+                self.register_buffer("q", qw.q, persistent=False)
         else:
             self.register_buffer("q", qw.q, persistent=False)
             self.register_buffer("scales", qw.scales, persistent=False)
@@ -135,6 +141,23 @@ class PackedLinear4(nn.Module):
             weight = Quantized(self.q, self.scales, self.zeros).dequantize()
             y = F.linear(x, weight.to(x.dtype))
         return y if self.bias is None else y + self.bias
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows `ids` dequantized in float32 [*ids.shape, in_features], from what the
+        forward reads (on the CPU: the kernel's codes and its bfloat16 scales and offsets)."""
+        flat = ids.reshape(-1)
+        if not self.kernel:
+            qw = Quantized(self.q[flat], self.scales[flat], self.zeros[flat])
+            return qw.dequantize().reshape(*ids.shape, self.in_features)
+        if self.layout is None:
+            codes = self.q[flat]
+        else:
+            codes = self.layout.codes(self.packed, flat, self.out_features, self.in_features)
+        sz = self.scales_and_zeros[:, flat].float()  # [groups, rows, (scale, offset)]
+        scale = sz[..., 0].t().repeat_interleave(self.group_size, dim=1)
+        offset = sz[..., 1].t().repeat_interleave(self.group_size, dim=1)
+        out = (codes.float() - 8) * scale + offset
+        return out.reshape(*ids.shape, self.in_features)
 
 
 class PackedLinear8(nn.Module):
@@ -192,6 +215,31 @@ class PackedEmbedding8(nn.Module):
             out = out + self.row_offsets[ids][..., None]
         out = out.to(self.dtype)
         return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
+
+
+class PackedEmbedding4(nn.Module):
+    """int4 rows in groups: a lookup dequantizes only the rows it reads, from the codes (and, on
+    the CPU, the bfloat16 scales) a tied head's kernel reads. `embed_scale` as in
+    `PackedEmbedding8`."""
+
+    embed_scale: torch.Tensor | None
+
+    def __init__(self, qw: Quantized, dtype: torch.dtype, embed_scale: torch.Tensor | None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = qw.q.shape
+        self.linear = PackedLinear4(qw, None, dtype)
+        self.embed_scale = embed_scale
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.linear.rows(ids).to(self.dtype)
+        return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
+
+
+def packed_embedding(
+    fmt: PackedFormat, qw: Quantized, dtype: torch.dtype, embed_scale: torch.Tensor | None
+) -> PackedEmbedding4 | PackedEmbedding8:
+    return (PackedEmbedding4 if fmt.bits == 4 else PackedEmbedding8)(qw, dtype, embed_scale)
 
 
 def packed_module(

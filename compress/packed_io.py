@@ -21,10 +21,10 @@ from torch import nn
 
 from compress.load_spec import PACKED, PACKED_VERSION, LoadSpec
 from compress.packed import (
-    PackedEmbedding8,
     PackedFormat,
     Quantized,
     pack_codes,
+    packed_embedding,
     packed_module,
     unpack_codes,
 )
@@ -40,8 +40,8 @@ class PackedModel:
 
     model: Any
     modules: dict[str, tuple[PackedFormat, Quantized]]
-    embeddings: Quantized | None = None
-    """int8 rows of the input embedding (a tied lm_head reads them too)."""
+    embeddings: tuple[PackedFormat, Quantized] | None = None
+    """The input embedding's format and codes (a tied lm_head reads them too)."""
 
 
 def _embedding_name(model: Any) -> str:
@@ -65,7 +65,7 @@ def save_packed(packed: PackedModel, out: Path, record: dict[str, Any]) -> None:
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in skip}
     coded = dict(packed.modules)
     if packed.embeddings is not None:
-        coded[embed_name] = (PackedFormat(8, None), packed.embeddings)
+        coded[embed_name] = packed.embeddings
     for name, (fmt, qw) in coded.items():
         state[f"{name}.qweight"] = pack_codes(qw.q, fmt.bits)
         state[f"{name}.scales"], state[f"{name}.zeros"] = qw.scales, qw.zeros
@@ -78,7 +78,7 @@ def save_packed(packed: PackedModel, out: Path, record: dict[str, Any]) -> None:
         "version": PACKED_VERSION,
         **record,
         "modules": {n: fmt.name for n, (fmt, _) in sorted(packed.modules.items())},
-        "embeddings": "int8" if packed.embeddings is not None else None,
+        "embeddings": packed.embeddings[0].name if packed.embeddings is not None else None,
         "tied": _tied(model),
     }
     (out / PACKED).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
@@ -117,19 +117,19 @@ def load_packed(
         bias = state.pop(f"{name}.bias", None)
         _replace(model, name, packed_module(fmt, qw, bias, dtype))
         del old
-    int8_embeddings = spec.params.get("embeddings") == "int8"
+    embed_fmt = embedding_format(spec)
     embed_name = _embedding_name(model)
-    embedding = take_quantized(state, embed_name, 8, device) if int8_embeddings else None
+    embedding = take_quantized(state, embed_name, embed_fmt.bits, device) if embed_fmt else None
     missing, unexpected = model.load_state_dict(state, strict=False)
-    allowed = {f"{embed_name}.weight"} if int8_embeddings else set()
+    allowed = {f"{embed_name}.weight"} if embed_fmt else set()
     missing = [k for k in missing if k not in allowed and not _is_tied_head(model, k)]
     if missing or unexpected:
         raise ValueError(
             f"{spec.path / WEIGHTS}: tensors missing {missing[:5]} or unexpected "
             f"{unexpected[:5]}; the checkpoint does not match its config: rebuild the variant"
         )
-    if embedding is not None:
-        _install_int8_embeddings(model, embedding, dtype, bool(spec.params.get("tied")))
+    if embed_fmt is not None and embedding is not None:
+        _install_embeddings(model, embed_fmt, embedding, dtype, bool(spec.params.get("tied")))
     else:
         model.tie_weights()  # NOTE: from_config without weight init leaves a tied head unset
     return model.to(device)
@@ -139,12 +139,20 @@ def _is_tied_head(model: Any, key: str) -> bool:
     return key == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
 
 
-def _install_int8_embeddings(model: Any, qw: Quantized, dtype: torch.dtype, tied: bool) -> None:
+def embedding_format(spec: LoadSpec) -> PackedFormat | None:
+    """The packed embedding's format (`embeddings` in the packed manifest), None when float."""
+    name = spec.params.get("embeddings")
+    return PackedFormat.parse(name) if name else None
+
+
+def _install_embeddings(
+    model: Any, fmt: PackedFormat, qw: Quantized, dtype: torch.dtype, tied: bool
+) -> None:
     name = _embedding_name(model)
     old = model.get_submodule(name)
-    embedding = PackedEmbedding8(qw, dtype, getattr(old, "embed_scale", None))
+    embedding = packed_embedding(fmt, qw, dtype, getattr(old, "embed_scale", None))
     _replace(model, name, embedding)
-    if tied:  # the head reads the same int8 codes: one copy in memory
+    if tied:  # the head reads the same codes: one copy in memory
         _replace(model, "lm_head", embedding.linear)
 
 

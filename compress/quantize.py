@@ -21,7 +21,7 @@ import torch
 from pydantic import Field
 
 from compress.artifact import Artifact, copy_side_files
-from compress.calibrated import Calibrated, check_shapes, quantize_packed
+from compress.calibrated import Calibrated, check_embeddings, check_shapes, quantize_packed
 from compress.load_spec import LOAD_QUANTIZATION
 from compress.mixed import MixedParams, quantize_mixed
 from compress.registry import Step, StepContext, StepError, StepParams, register
@@ -190,6 +190,7 @@ def apply_packed(
 
     if not isinstance(params, MixedParams):
         check_shapes(meta, chosen, params.format)
+    check_embeddings(meta, params.embeddings)
     model = AutoModelForCausalLM.from_pretrained(artifact.path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(artifact.path)
     started = time.perf_counter()

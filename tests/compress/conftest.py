@@ -17,6 +17,7 @@ variants:
   - {{name: base, steps: []}}
   - {{name: rtn, steps: [{{quantize: {{method: rtn, group_size: 32}}}}]}}
   - {{name: rtn-sym, steps: [{{quantize: {{method: rtn, group_size: 32, sym: true}}}}]}}
+  - {{name: rtn-emb4, steps: [{{quantize: {{method: rtn, group_size: 32, embeddings: int4}}}}]}}
   - {{name: hqq, steps: [{{quantize: {{method: hqq, group_size: 64}}}}]}}
   - {{name: gptq, steps: [{{quantize: {{method: gptq, group_size: 32, {CAL}}}}}]}}
   - {{name: gptq8, steps: [{{quantize: {{method: gptq, bits: 8, group_size: null, act_order: true, embeddings: int8, {CAL}}}}}]}}

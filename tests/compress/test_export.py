@@ -23,7 +23,7 @@ from compress.export import ExportError, export, packed_weights
 from compress.load_spec import load_model, read_load_spec
 from workbench.cli import main
 
-CT_EXPORTABLE = ("rtn", "rtn-sym", "gptq", "gptq8", "awq", "mixed")
+CT_EXPORTABLE = ("rtn", "rtn-sym", "rtn-emb4", "gptq", "gptq8", "awq", "mixed")
 
 
 def _logits(path: Path, rows: torch.Tensor, dequantize: bool = False) -> torch.Tensor:
@@ -41,7 +41,7 @@ def rows() -> torch.Tensor:
 
 
 def test_hf_export_holds_the_dequantized_codes(built: dict[str, Path], tmp_path: Path) -> None:
-    for name in ("rtn", "gptq8"):
+    for name in ("rtn", "gptq8", "rtn-emb4"):
         out = tmp_path / name
         export(built[name], "hf", out)
         assert read_load_spec(out).format == "hf"

@@ -64,13 +64,14 @@ def test_gguf_carries_the_tokenizer_and_chat_template(tiny_model_dir: Path, tmp_
     assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "llama"
 
 
+@pytest.mark.parametrize("variant", ["rtn", "rtn-emb4"])
 def test_packed_variant_exports_its_dequantized_codes_or_is_refused_by_architecture(
-    built: dict[str, Path], tmp_path: Path
+    built: dict[str, Path], tmp_path: Path, variant: str
 ) -> None:
-    """On the tiny Llama: the 4-bit linears as Q4_1 and the float rest as F32, exactly the
-    formats' dequantization of the variant's weights. On the tiny Gemma 3: refused, naming
-    what is written, and nothing left behind."""
-    source = built["rtn"]
+    """On the tiny Llama: the 4-bit linears (and a 4-bit embedding) as Q4_1 and the float rest
+    as F32, exactly the formats' dequantization of the variant's weights. On the tiny Gemma 3:
+    refused, naming what is written, and nothing left behind."""
+    source = built[variant]
     if json.loads((source / "config.json").read_text())["model_type"] != "llama":
         with pytest.raises(ExportError, match=r"gemma3_text model cannot be written as GGUF"):
             export(source, "gguf", tmp_path / "out")
@@ -82,7 +83,7 @@ def test_packed_variant_exports_its_dequantized_codes_or_is_refused_by_architect
     quantized = {f"{n}.weight" for n in codes}
     dense = {**state, **{f"{n}.weight": q.dequantize() for n, q in codes.items()}}
     loaded = _load(tmp_path / "out").state_dict()
-    assert quantized and "model.embed_tokens.weight" not in quantized
+    assert quantized and ("model.embed_tokens.weight" in quantized) == (variant == "rtn-emb4")
     for name, weight in dense.items():
         if name in loaded:
             kind = "q4_1" if name in quantized else "f32"

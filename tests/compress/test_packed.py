@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from compress.grids import hqq, rtn
+from compress.int4pack import CANDIDATES, Layout, find_layout
 from compress.packed import (
+    PackedEmbedding4,
     PackedEmbedding8,
     PackedFormat,
     PackedLinear4,
@@ -64,6 +66,64 @@ def test_int8_embedding_reads_rows_and_keeps_the_embed_scale(weight: torch.Tenso
     embedding = PackedEmbedding8(qw, torch.float32, torch.tensor(3.0))
     ids = torch.tensor([[0, 47, 5], [5, 5, 1]])
     torch.testing.assert_close(embedding(ids), qw.dequantize()[ids] * 3.0)
+
+
+def _pack_as(layout: Layout, codes: torch.Tensor) -> torch.Tensor:
+    """torch's weight_to_int4pack_kernel, written out for each CPU build it has: blocks of
+    `block_n` rows; a full block pairs row d with d + 16 (AVX2) or lanes 0|2, 1|3 (AVX-512);
+    short blocks and scalar builds pair neighbours."""
+    n, k = codes.shape
+    out = torch.zeros(n * k // 2, dtype=torch.uint8)
+    bn = layout.block_n
+    for block in range(0, n, bn):
+        nb = min(bn, n - block)
+        for col in range(k):
+            at = block * k // 2 + col * nb // 2
+            for r in range(nb):
+                code = int(codes[block + r, col])
+                if nb == bn and layout.interleaved:
+                    lane, d, half = r // 16, r % 16, bn // 32
+                    out[at + d + 16 * (lane % half)] |= code << (4 * (lane // half))
+                else:
+                    out[at + r // 2] |= code << (4 * (r % 2))
+    return out.reshape(n, k // 2)
+
+
+@pytest.mark.parametrize("layout", CANDIDATES, ids=str)
+def test_int4pack_rows_read_back_in_every_builds_layout(layout: Layout) -> None:
+    torch.manual_seed(1)
+    codes = torch.randint(0, 16, (64 * 2 + 48, 8), dtype=torch.uint8)  # a short last block
+    packed = _pack_as(layout, codes)
+    rows = torch.tensor([0, 15, 16, 31, 32, 47, 63, 64, 127, 128, 175, 5, 5])
+    assert torch.equal(layout.codes(packed, rows, *codes.shape), codes[rows])
+
+
+def test_this_torch_builds_int4pack_layout_is_found_and_matches_the_model() -> None:
+    layout = find_layout()
+    assert layout is not None
+    codes = torch.randint(0, 16, (96 + 16, 64), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(packed.reshape(-1), _pack_as(layout, codes).reshape(-1))
+
+
+@pytest.mark.parametrize("readable_layout", [True, False], ids=["kernel-codes", "own-copy"])
+def test_int4_embedding_reads_rows_from_the_tied_heads_codes(
+    weight: torch.Tensor, readable_layout: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not readable_layout:  # a torch build whose layout is unknown keeps its own codes
+        monkeypatch.setattr("compress.packed.find_layout", lambda: None)
+    qw = rtn(weight, PackedFormat(4, 32))
+    embedding = PackedEmbedding4(qw, torch.float32, torch.tensor(3.0))
+    assert hasattr(embedding.linear, "q") != readable_layout  # one copy when readable
+    # rows as the head's kernel sees them: (q - 8) * s + (8 - z) * s with bfloat16 s and offsets
+    s = qw.scales.bfloat16().float().repeat_interleave(32, dim=1)
+    m = ((8 - qw.zeros) * qw.scales).bfloat16().float().repeat_interleave(32, dim=1)
+    rows = (qw.q.float() - 8) * s + m
+    ids = torch.tensor([[0, 47, 5], [5, 31, 16]])
+    torch.testing.assert_close(embedding(ids), rows[ids] * 3.0)
+    torch.testing.assert_close(rows, qw.dequantize(), rtol=0, atol=0.05)
+    x = torch.randn(4, 256)  # the head: the same codes through the kernel
+    torch.testing.assert_close(embedding.linear(x), x @ rows.t(), rtol=2e-2, atol=0.25)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

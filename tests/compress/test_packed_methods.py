@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from compress.load_spec import PACKED, load_model, read_load_spec
-from compress.packed import PackedEmbedding8, PackedLinear4, PackedLinear8
+from compress.packed import PackedEmbedding4, PackedEmbedding8, PackedLinear4, PackedLinear8
+from compress.registry import StepError
 from evals.artifact_eval import memory_bytes
 from tests.serve.conftest import make_cases, reference_outputs
 from tests.serve.test_engine_exact import assert_equal, make_engine, run
@@ -53,6 +54,22 @@ def test_artifacts_load_packed_and_smaller(built: dict[str, Path]) -> None:
         assert type(gptq8.lm_head) is torch.nn.Linear
 
 
+def test_int4_embeddings_share_their_codes_with_a_tied_head(built: dict[str, Path]) -> None:
+    spec = read_load_spec(built["rtn-emb4"])
+    assert spec.params["embeddings"] == "int4-g32"
+    model, rtn = load_model(built["rtn-emb4"]), load_model(built["rtn"])
+    embedding = model.get_input_embeddings()
+    assert isinstance(embedding, PackedEmbedding4)
+    if model.config.tie_word_embeddings:
+        assert model.lm_head is embedding.linear
+        # the float embedding (4 bytes a weight) became 4-bit codes + bfloat16 scales of 32
+        vocab, hidden = embedding.num_embeddings, embedding.embedding_dim
+        saved = memory_bytes(rtn) - memory_bytes(model)
+        assert saved == vocab * hidden * 4 - (vocab * hidden // 2 + vocab * hidden // 32 * 4)
+    else:
+        assert type(model.lm_head) is torch.nn.Linear
+
+
 def test_manifest_records_settings_calibration_and_time(built: dict[str, Path]) -> None:
     info = json.loads((built["gptq"] / "workbench.json").read_text())["info"]
     assert info["method"] == "gptq" and info["group_size"] == 32 and info["damp"] == 0.01
@@ -63,7 +80,7 @@ def test_manifest_records_settings_calibration_and_time(built: dict[str, Path]) 
 
 def test_engine_equals_generate_on_every_packed_format(built: dict[str, Path]) -> None:
     cases = make_cases(8, seed=7, vocab=500, max_prompt=80, max_out=24)
-    for name in ("rtn", "hqq", "gptq8", "mixed"):
+    for name in ("rtn", "hqq", "gptq8", "mixed", "rtn-emb4"):
         reference = reference_outputs(built[name], cases)
         engine = make_engine(built[name], num_blocks=24, budget=64)
         assert_equal(run(engine, cases), reference, list(range(len(cases))))
@@ -114,6 +131,7 @@ BAD = {
         "{method: mixed, budget: {size: 1MB}, candidates: [int2]}",
         "unknown packed format 'int2'",
     ),
+    "unknown_embedding_format": ("{method: rtn, embeddings: int4-g48}", "int4-g128"),
     "unknown_method": ("{method: gptqq}", "gptqq"),
     "missing_calibration_data": (
         "{method: gptq, calibration: {data: nowhere.jsonl}}",
@@ -132,6 +150,20 @@ def test_bad_settings_are_recipe_errors_naming_the_field(case: str, tmp_path: Pa
     with pytest.raises(RecipeError, match="quantize") as e:
         load_recipe(path)
     assert message in str(e.value)
+
+
+def test_int4_embeddings_wider_than_the_hidden_size_are_refused_before_any_work(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "name: x\nbase: demo-tiny\nvariants:\n"
+        "  - {name: q, steps: [{quantize: {method: gptq, group_size: 32, embeddings: int4-g128}}]}\n"
+    )
+    recipe, ref = load_recipe(path)
+    with pytest.raises(StepError, match="int4-g128 needs a hidden size divisible by 128"):
+        Pipeline(recipe, ref, tmp_path / "work").run()
+    assert not (tmp_path / "work" / "variants" / "q").exists()
 
 
 def test_lora_on_a_packed_variant_is_refused(tmp_path: Path) -> None:
