@@ -1,43 +1,62 @@
 """The distill step: a smaller student trained on the teacher's logits.
 
-Model: the student has the teacher's architecture with fewer layers (a count, evenly spaced, or
-explicit indices) and optionally a narrower hidden / MLP size. It starts from the teacher's kept
-layers (plus embeddings, final norm and head) or from random weights. Loss per token:
-`alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + (1 - alpha) * CE(student)`;
-`kd: false` trains the same student on CE alone, the baseline that shows what distillation adds.
+Model: the student has the teacher's architecture with fewer layers and optionally a narrower
+hidden / MLP size. The layers kept are a count, evenly spaced (`select: even`) or the ones that
+change the hidden state most on windows of the data (`select: importance`, block influence:
+`compress.layer_importance`), or explicit indices. It starts from the teacher's kept layers (plus
+embeddings, final norm and head) or from random weights. Loss per token:
+`alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + (1 - alpha) * CE(student)`,
+the KL over the whole vocabulary or (`kd: {top_k: K}`) over the teacher's top-K tokens cached per
+window (`compress.kd_loss`); `kd: false` trains the same student on CE alone, the baseline that
+shows what distillation adds; `steps: 0` only removes the layers, showing what healing buys.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from transformers import PretrainedConfig, PreTrainedModel
 
 from compress.artifact import Artifact, copy_side_files
+from compress.calibration import CalibrationParams, calibration_rows
 from compress.data import check_data_in_context, load_texts, perplexity, token_rows
+from compress.kd_loss import TopKCache, full_kl, top_k_kl
+from compress.layer_importance import block_influence, most_influential
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.training import TrainConfig, resolve_precision, train
 
 
+class TopKD(StepParams):
+    top_k: int = Field(gt=0, le=1_048_576)
+    """Teacher tokens per position whose probabilities the KL keeps (the rest share one)."""
+
+
 class DistillParams(StepParams):
     layers: int | list[int]
-    """How many teacher layers the student keeps (evenly spaced), or which (0-based)."""
+    """How many teacher layers the student keeps, or which (0-based)."""
+    select: Literal["even", "importance"] = "even"
+    """How a count of layers is chosen: evenly spaced, or by block influence."""
+    importance_windows: int = Field(default=32, ge=1, le=4096)
+    """Windows of `seq_len` tokens of the data's train split that block influence is measured
+    on (with `select: importance`)."""
     hidden_size: int | None = Field(default=None, gt=0)
     """A narrower student (needs init: random); the teacher's width when absent."""
     intermediate_size: int | None = Field(default=None, gt=0)
     init: str = Field(default="teacher", pattern="^(teacher|random)$")
     """teacher: copy the kept layers; random: fresh weights."""
-    kd: bool = True
-    """False: cross-entropy only (the baseline)."""
+    kd: bool | TopKD = True
+    """True: KL over the whole vocabulary; {top_k: K}: over the teacher's cached top-K;
+    False: cross-entropy only (the baseline)."""
     alpha: float = Field(default=0.5, ge=0, le=1)
     temperature: float = Field(default=2.0, gt=0)
     data: str = "corpus"
-    steps: int = Field(default=300, gt=0, le=10_000_000)
+    steps: int = Field(default=300, ge=0, le=10_000_000)
+    """Training steps; 0: the kept layers as they are (removal only)."""
     lr: float = Field(default=3e-3, gt=0)
     batch_size: int = Field(default=16, gt=0, le=4096)
     seq_len: int = Field(default=128, gt=1, le=131_072)
@@ -64,6 +83,11 @@ class DistillParams(StepParams):
             raise ValueError(
                 f"layers: found {self.layers}; layer indices count from 0 (the first layer)"
             )
+        if self.select == "importance" and isinstance(self.layers, list):
+            raise ValueError(
+                f"select: importance chooses the layers, but layers lists them ({self.layers}); "
+                "give layers as a count"
+            )
         narrower = self.hidden_size is not None or self.intermediate_size is not None
         if narrower and self.init == "teacher":
             raise ValueError(
@@ -72,7 +96,7 @@ class DistillParams(StepParams):
         return self
 
 
-def kept_layers(layers: int | list[int], num_teacher_layers: int) -> list[int]:
+def evenly_kept(layers: int | list[int], num_teacher_layers: int) -> list[int]:
     if isinstance(layers, list):
         return sorted(layers)
     return (
@@ -82,11 +106,13 @@ def kept_layers(layers: int | list[int], num_teacher_layers: int) -> list[int]:
     )
 
 
-def student_from(teacher: PreTrainedModel, p: DistillParams, seed: int) -> PreTrainedModel:
+def student_from(
+    teacher: PreTrainedModel, p: DistillParams, seed: int, keep: list[int]
+) -> PreTrainedModel:
+    """The student keeping teacher layers `keep` (sorted)."""
     from transformers import AutoModelForCausalLM
 
     config: PretrainedConfig = copy.deepcopy(teacher.config)
-    keep = kept_layers(p.layers, config.num_hidden_layers)
     config.num_hidden_layers = len(keep)
     if getattr(config, "layer_types", None):
         config.layer_types = [config.layer_types[i] for i in keep]
@@ -111,7 +137,7 @@ def student_from(teacher: PreTrainedModel, p: DistillParams, seed: int) -> PreTr
 
 
 def _distill_loss(
-    teacher: torch.nn.Module, p: DistillParams
+    teacher: torch.nn.Module, p: DistillParams, cache: TopKCache | None
 ) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
     def loss(student: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
         out = student(input_ids=batch, labels=batch)
@@ -119,10 +145,15 @@ def _distill_loss(
             return out.loss
         bf16 = resolve_precision(p.mixed_precision) == "bf16"
         with torch.no_grad(), torch.autocast(batch.device.type, torch.bfloat16, enabled=bf16):
-            t_logits = teacher(input_ids=batch).logits
-        s = F.log_softmax(out.logits[:, :-1].flatten(0, 1) / p.temperature, -1)
-        t = F.log_softmax(t_logits[:, :-1].flatten(0, 1).float() / p.temperature, -1)
-        kl = F.kl_div(s, t, log_target=True, reduction="batchmean")
+            if cache is not None:
+                top = cache.get(teacher, batch)
+            else:
+                t_logits = teacher(input_ids=batch).logits[:, :-1]
+        s_logits = out.logits[:, :-1]
+        if cache is not None:
+            kl = top_k_kl(s_logits, top, p.temperature)
+        else:
+            kl = full_kl(s_logits, t_logits, p.temperature)
         return p.alpha * p.temperature**2 * kl + (1 - p.alpha) * out.loss
 
     return loss
@@ -158,11 +189,58 @@ class Distill(Step):
         teacher = AutoModelForCausalLM.from_pretrained(artifact.path, dtype=torch.float32)
         teacher.to(ctx.device)  # type: ignore[arg-type]  # transformers types its `to` oddly
         teacher.eval().requires_grad_(False)
-        student = student_from(teacher, p, ctx.seed)
-        student.to(ctx.device)  # type: ignore[arg-type]
         tok = AutoTokenizer.from_pretrained(artifact.path)
-        rows = token_rows(tok, load_texts(p.data, "train", ctx.data), p.seq_len)
+        keep, info = self._choose_layers(teacher, tok, ctx)
+        student = student_from(teacher, p, ctx.seed, keep)
+        student.to(ctx.device)  # type: ignore[arg-type]
         val = token_rows(tok, load_texts(p.data, "validation", ctx.data), p.seq_len)[:64]
+        if p.steps:
+            info |= self._train(teacher, student, tok, val, ctx)
+        student.save_pretrained(ctx.out_dir)
+        copy_side_files(artifact.path, ctx.out_dir)
+        info |= {
+            "kept_layers": keep,
+            "validation_perplexity": perplexity(student, val),
+            "teacher_validation_perplexity": perplexity(teacher, val),
+            "mixed_precision": resolve_precision(p.mixed_precision),
+        }
+        return Artifact(ctx.out_dir, "model", info)
+
+    def _choose_layers(
+        self, teacher: PreTrainedModel, tok: Any, ctx: StepContext
+    ) -> tuple[list[int], dict[str, Any]]:
+        p = self.params
+        total = teacher.config.num_hidden_layers
+        if p.select == "even" or isinstance(p.layers, list):
+            return evenly_kept(p.layers, total), {
+                "layer_selection": "even" if isinstance(p.layers, int) else "listed"
+            }
+        params = CalibrationParams(data=p.data, samples=p.importance_windows, seq_len=p.seq_len)
+        try:
+            windows = calibration_rows(tok, params, ctx.data, ctx.seed)
+        except ValueError as e:
+            raise StepError(f"distill.importance_windows: {e}") from None
+        scores = block_influence(teacher, windows.rows)
+        info = {
+            "layer_selection": "importance",
+            "layer_importance": {
+                "metric": "block influence: 1 - mean cos(layer input, layer output)",
+                "scores": [round(x, 6) for x in scores],
+                "windows": windows.record(params),
+            },
+        }
+        return most_influential(scores, p.layers), info
+
+    def _train(
+        self,
+        teacher: PreTrainedModel,
+        student: PreTrainedModel,
+        tok: Any,
+        val: torch.Tensor,
+        ctx: StepContext,
+    ) -> dict[str, Any]:
+        p = self.params
+        rows = token_rows(tok, load_texts(p.data, "train", ctx.data), p.seq_len)
         cfg = TrainConfig(
             p.steps,
             p.lr,
@@ -174,23 +252,27 @@ class Distill(Step):
             mixed_precision=p.mixed_precision,
             desc="distill" if p.kd else "train (CE)",
         )
+        cache = TopKCache(p.kd.top_k, p.temperature) if isinstance(p.kd, TopKD) else None
+        started = time.perf_counter()
         result = train(
             student,
             rows,
-            _distill_loss(teacher, p),
+            _distill_loss(teacher, p, cache),
             cfg,
             lambda m: perplexity(m, val),
             ctx.checkpoint_dir,
         )
-        student.save_pretrained(ctx.out_dir)
-        copy_side_files(artifact.path, ctx.out_dir)
-        info = {
-            "kept_layers": kept_layers(p.layers, teacher.config.num_hidden_layers),
+        info: dict[str, Any] = {
             "first_loss": result.losses[0],
             "final_loss": result.losses[-1],
             "validation_perplexity_by_step": result.validation,
             "resumed_from_step": result.resumed_from,
-            "teacher_validation_perplexity": perplexity(teacher, val),
-            "mixed_precision": resolve_precision(p.mixed_precision),
+            "train_seconds": round(time.perf_counter() - started, 1),
         }
-        return Artifact(ctx.out_dir, "model", info)
+        if cache is not None:
+            info["top_k_cache"] = {
+                "windows": len(cache.entries),
+                "hits": cache.hits,
+                "misses": cache.misses,
+            }
+        return info

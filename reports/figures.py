@@ -268,3 +268,30 @@ def sensitivity_heatmap(
         height=max(300, 24 * len(layers) + 140),
     )
     return fig
+
+
+def layer_importance_bars(name: str, scores: list[float], kept: list[int]) -> go.Figure:
+    """Block influence of every teacher layer, the layers the student kept filled, the dropped
+    ones hollow."""
+    chosen = set(kept)
+    fig = go.Figure(
+        go.Bar(
+            x=list(range(len(scores))),
+            y=scores,
+            marker={
+                "color": [
+                    "#1f77b4" if i in chosen else "rgba(0,0,0,0)" for i in range(len(scores))
+                ],
+                "line": {"color": "#1f77b4", "width": 1.5},
+            },
+            customdata=["kept" if i in chosen else "dropped" for i in range(len(scores))],
+            hovertemplate="layer %{x}: %{y:.4f} (%{customdata})<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=f"{name}: block influence per teacher layer (1 - cos(in, out); filled = kept)",
+        xaxis={"title": "teacher layer", "dtick": 1},
+        yaxis={"title": "block influence"},
+        height=320,
+    )
+    return fig

@@ -171,9 +171,13 @@ def problems(report: dict[str, Any]) -> list[str]:
 
 
 def _plan_of(info: dict[str, Any]) -> dict[str, Any]:
-    """A mixed-precision variant's scan and plan, as its manifest records them."""
+    """A mixed-precision variant's scan and plan, and a student's layers and their block
+    influence, as its manifest records them."""
     keys = ("sensitivity", "plan", "predicted_kl", "measured_kl", "planned_bits_per_weight")
-    return {k: info[k] for k in keys if k in info}
+    out = {k: info[k] for k in (*keys, "kept_layers", "layer_selection") if k in info}
+    if "layer_importance" in info:
+        out["layer_importance"] = info["layer_importance"]["scores"]
+    return out
 
 
 def entries(report: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
@@ -213,6 +217,10 @@ def write_report(report: dict[str, Any], out_dir: Path) -> None:
         if v["manifest"].get("sensitivity"):
             figs[f"sensitivity-{v['name']}"] = figures.sensitivity_heatmap(
                 v["name"], v["manifest"]["sensitivity"], v["manifest"].get("plan", {})
+            )
+        if v["manifest"].get("layer_importance"):
+            figs[f"layers-{v['name']}"] = figures.layer_importance_bars(
+                v["name"], v["manifest"]["layer_importance"], v["manifest"].get("kept_layers", [])
             )
     plots = "".join(
         fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{name}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from reports.figures import sensitivity_heatmap
+from reports.figures import layer_importance_bars, sensitivity_heatmap
 from reports.report import _plan_of
 
 SCAN = {
@@ -31,3 +31,22 @@ def test_report_carries_the_plan_of_a_mixed_variant_only() -> None:
     info = {"plan": PLAN, "sensitivity": SCAN, "measured_kl": 0.1, "calibration": {}}
     assert set(_plan_of(info)) == {"plan", "sensitivity", "measured_kl"}
     assert _plan_of({"quantized_linear_layers": 3}) == {}
+
+
+def test_a_students_layers_and_their_influence_are_plotted() -> None:
+    info = {
+        "kept_layers": [0, 2],
+        "layer_selection": "importance",
+        "layer_importance": {"metric": "block influence", "scores": [0.3, 0.1, 0.2], "windows": {}},
+        "final_loss": 1.0,
+    }
+    extras = _plan_of(info)
+    assert extras == {
+        "kept_layers": [0, 2],
+        "layer_selection": "importance",
+        "layer_importance": [0.3, 0.1, 0.2],
+    }
+    (bars,) = layer_importance_bars("kd", extras["layer_importance"], extras["kept_layers"]).data
+    assert list(bars.y) == [0.3, 0.1, 0.2]
+    assert list(bars.customdata) == ["kept", "dropped", "kept"]
+    assert bars.marker.color[1] == "rgba(0,0,0,0)" and bars.marker.color[0] != bars.marker.color[1]

@@ -1,0 +1,150 @@
+"""Distillation's layer choice and cheaper KD: block influence against a direct computation, the
+kept layers by importance, an explicit list honoured exactly, the removal-only student equal to
+the teacher's kept layers, and the cached top-k KL against the full KL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from compress.kd_loss import TopK, TopKCache, full_kl, top_k_kl
+from compress.layer_importance import block_influence, most_influential
+from workbench.pipeline import Pipeline
+from workbench.recipe import RecipeError, load_recipe
+
+
+def _llama(layers: int = 4, vocab: int = 64) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+    )
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_block_influence_equals_one_minus_the_cosine_of_hidden_states() -> None:
+    model = _llama()
+    rows = torch.randint(0, 64, (5, 12), generator=torch.Generator().manual_seed(1))
+    scores = block_influence(model, rows, batch_size=2)
+    model.model.norm = torch.nn.Identity()  # so the last hidden state is the last layer's output
+    with torch.no_grad():
+        hidden = model(rows, output_hidden_states=True).hidden_states
+    direct = [
+        float((1 - torch.cosine_similarity(hidden[i], hidden[i + 1], dim=-1)).mean())
+        for i in range(4)
+    ]
+    assert scores == pytest.approx(direct, abs=1e-6)
+    assert len(set(scores)) == 4
+
+
+def test_the_most_influential_layers_are_kept_in_order() -> None:
+    assert most_influential([0.1, 0.5, 0.2, 0.5, 0.05], 3) == [1, 2, 3]
+    assert most_influential([0.3, 0.3, 0.3], 2) == [0, 1]  # ties: the earlier layer
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_top_k_kl_over_the_whole_vocabulary_is_the_full_kl(temperature: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    teacher = torch.randn(2, 7, 50, generator=gen) * 3
+    student = (torch.randn(2, 7, 50, generator=gen) * 3).requires_grad_()
+    full = full_kl(student, teacher, temperature)
+    (full_grad,) = torch.autograd.grad(full, student)
+    cached = top_k_kl(student, TopK.of(teacher, 50, temperature), temperature)
+    (cached_grad,) = torch.autograd.grad(cached, student)
+    assert float(cached) == pytest.approx(float(full), abs=1e-5)
+    torch.testing.assert_close(cached_grad, full_grad, rtol=1e-4, atol=1e-6)
+    for k in (1, 5, 20):  # merging outcomes into one bucket never raises a KL
+        assert float(top_k_kl(student, TopK.of(teacher, k, temperature), temperature)) <= float(
+            full
+        )
+
+
+def test_top_k_cache_runs_the_teacher_once_per_window() -> None:
+    teacher = _llama(layers=1)
+    calls: list[int] = []
+    teacher.model.embed_tokens.register_forward_hook(lambda _m, a, _o: calls.append(a[0].shape[0]))
+    cache = TopKCache(k=8, temperature=2.0)
+    rows = torch.randint(0, 64, (6, 10), generator=torch.Generator().manual_seed(2))
+    first = cache.get(teacher, rows[:4])
+    again = cache.get(teacher, rows[[3, 0, 5]])  # two cached windows, one new
+    assert calls == [4, 1] and (cache.hits, cache.misses) == (2, 5)
+    torch.testing.assert_close(again.log_probs[1], first.log_probs[0])
+    assert torch.equal(again.ids[0], first.ids[3]) and again.ids.dtype == torch.long
+    with torch.no_grad():
+        direct = TopK.of(teacher(rows[5:6]).logits[:, :-1], 8, 2.0)
+    torch.testing.assert_close(again.log_probs[2], direct.log_probs[0])
+    assert first.log_probs.shape == (4, 9, 8) and float(first.rest.min()) >= 0
+
+
+STUDENTS = """\
+name: students
+base: demo-tiny
+variants:
+  - {name: picked, steps: [{distill: {layers: 1, select: importance, importance_windows: 4, seq_len: 64, steps: 0}}]}
+  - {name: listed, steps: [{distill: {layers: [1, 0], steps: 0, seq_len: 64}}]}
+  - {name: topk, steps: [{distill: {layers: 1, select: importance, importance_windows: 4, kd: {top_k: 16}, steps: 6, batch_size: 4, seq_len: 64, eval_every: 0, checkpoint_every: 0}}]}
+"""
+
+
+@pytest.fixture(scope="module")
+def students(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("students")
+    (root / "recipe.yaml").write_text(STUDENTS)
+    recipe, base = load_recipe(root / "recipe.yaml")
+    return {
+        r.name: {"path": r.path, **r.manifest.to_json()}
+        for r in Pipeline(recipe, base, root / "work").run()
+    }
+
+
+def test_importance_selection_keeps_the_highest_scores_and_records_them(
+    students: dict[str, dict], tiny_model_dir: Path
+) -> None:
+    teacher_layers = json.loads((tiny_model_dir / "config.json").read_text())["num_hidden_layers"]
+    info = students["picked"]["info"]
+    scores = info["layer_importance"]["scores"]
+    assert len(scores) == teacher_layers and info["layer_selection"] == "importance"
+    assert info["kept_layers"] == most_influential(scores, 1)
+    assert info["layer_importance"]["windows"]["tokens"] == 4 * 64
+
+
+def test_removal_only_student_is_the_teachers_kept_layers_exactly(
+    students: dict[str, dict], tiny_model_dir: Path
+) -> None:
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    for name, kept in (("listed", [0, 1]), ("picked", students["picked"]["info"]["kept_layers"])):
+        assert students[name]["info"]["kept_layers"] == kept
+        assert "final_loss" not in students[name]["info"]  # nothing trained
+        student = AutoModelForCausalLM.from_pretrained(students[name]["path"]).state_dict()
+        for key, value in student.items():
+            source = key
+            if key.startswith("model.layers."):
+                index = int(key.split(".")[2])
+                source = key.replace(f"model.layers.{index}.", f"model.layers.{kept[index]}.", 1)
+            assert torch.equal(value, teacher[source]), key
+
+
+def test_top_k_student_trains_from_its_cache(students: dict[str, dict]) -> None:
+    info = students["topk"]["info"]
+    assert info["top_k_cache"]["misses"] == info["top_k_cache"]["windows"] > 0
+    assert info["top_k_cache"]["hits"] + info["top_k_cache"]["misses"] == 6 * 4
+    assert info["final_loss"] < info["first_loss"]
+
+
+def test_importance_selection_with_a_layer_list_is_a_recipe_error(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "name: x\nbase: demo-tiny\nvariants:\n"
+        "  - {name: s, steps: [{distill: {layers: [0, 1], select: importance}}]}\n"
+    )
+    with pytest.raises(RecipeError, match="select: importance chooses the layers"):
+        load_recipe(path)
