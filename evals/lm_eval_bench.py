@@ -1,11 +1,14 @@
-"""lm-eval's HFLM against `ContinuationLM` on the same model, tasks and documents.
+"""lm-eval's HFLM against `ContinuationLM` and the engine (`EngineLM`) on the same model, tasks
+and documents.
 
 `python -m evals.lm_eval_bench [--model gemma3-270m] [--tasks hellaswag,arc_easy,piqa]
-[--limit 40] [--batch-size 16] [--max-length 512] [--rounds 2]`
+[--limit 40] [--batch-size 16] [--max-length 512] [--rounds 2]
+[--systems hflm,continuation,engine] [--dtype float32]`
 
-Model: both score the same seeded document subsets in float32 (the recipe's quality settings);
-the systems alternate round by round and each one's median wall time is reported, with the ratio,
-and whether every logged answer agrees (log-likelihoods within 1e-3 nats, accuracies equal).
+Model: every system scores the same seeded document subsets in `--dtype` (the recipe's quality
+settings); the systems alternate round by round and each one's median wall time is reported,
+with its speed against HFLM's, and whether every logged answer agrees with HFLM's
+(log-likelihoods within 1e-3 nats, accuracies equal).
 """
 
 from __future__ import annotations
@@ -22,12 +25,21 @@ from evals.quality import TaskRequest, run_tasks
 from evals.step_bench import resolve_model
 
 
-def _system(name: str) -> Any:
+def _system(name: str, model: Any, tokenizer: Any, model_dir: Any, args: Any) -> Any:
     from lm_eval.models.huggingface import HFLM
 
     from evals.continuation_lm import ContinuationLM
+    from evals.engine_lm import EngineLM
 
-    return {"hflm": HFLM, "continuation": ContinuationLM}[name]
+    if name == "engine":
+        return EngineLM(model_dir, dtype=args.dtype, max_length=args.max_length)
+    cls = {"hflm": HFLM, "continuation": ContinuationLM}[name]
+    return cls(
+        pretrained=model,
+        tokenizer=tokenizer,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+    )
 
 
 def _answers(results: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
@@ -56,32 +68,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--systems", default="hflm,continuation,engine")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)
+    systems = args.systems.split(",")
+    if "hflm" not in systems or not set(systems) <= {"hflm", "continuation", "engine"}:
+        parser.error(
+            "--systems: a comma list of hflm (required: the baseline), continuation, engine"
+        )
     model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     requests = [TaskRequest(t, limit=args.limit) for t in args.tasks.split(",")]
-    seconds: dict[str, list[float]] = {"hflm": [], "continuation": []}
+    seconds: dict[str, list[float]] = {name: [] for name in systems}
     answers: dict[str, Any] = {}
     for round_ in range(args.rounds):
         order = list(seconds) if round_ % 2 == 0 else list(reversed(seconds))
         for name in order:
-            lm = _system(name)(
-                pretrained=model,
-                tokenizer=tokenizer,
-                batch_size=args.batch_size,
-                max_length=args.max_length,
-            )
+            lm = _system(name, model, tokenizer, model_dir, args)
             start = time.perf_counter()
             answers[name] = _answers(run_tasks(lm, None, requests, None, True))
             seconds[name].append(time.perf_counter() - start)
             print(f"round {round_ + 1} {name:12s} {seconds[name][-1]:7.1f} s", flush=True)
-    hflm, ours = (statistics.median(seconds[n]) for n in ("hflm", "continuation"))
+    hflm = statistics.median(seconds["hflm"])
     print(
-        f"{model_dir.name}: {args.tasks} x {args.limit} docs; HFLM {hflm:.1f} s, ContinuationLM "
-        f"{ours:.1f} s (median of {args.rounds}): {hflm / ours:.2f}x faster; answers agree: "
-        f"{_agree(answers['hflm'], answers['continuation'])}"
+        f"{model_dir.name}: {args.tasks} x {args.limit} docs, {args.dtype}, median of {args.rounds}"
     )
+    for name in systems:
+        median = statistics.median(seconds[name])
+        agree = _agree(answers["hflm"], answers[name])
+        print(
+            f"  {name:12s} {median:7.1f} s  {hflm / median:.2f}x HFLM's speed  answers agree: {agree}"
+        )
     return 0
 
 

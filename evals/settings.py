@@ -128,6 +128,10 @@ class Evals(_Strict):
     and is emulated, 4x slower, on AVX2-only ones); `auto`: bfloat16 where it is fast."""
     batch_size: PositiveInt = Field(default=16, le=4096)
     """lm-eval's batch size."""
+    backend: Literal["hf", "engine"] = "hf"
+    """What lm-eval scores through: `hf`, the model in transformers (HFLM, the head projected only
+    where lm-eval reads it); `engine`, the workbench's own engine (`evals.engine_lm`: paged KV
+    cache, a context shared by its choices through the prefix cache, continuous batching)."""
     divergence: DivergenceEval | None = None
     """KL divergence and top-1 agreement of each variant against a reference variant."""
     chat_prompts: list[str] = Field(default=[], max_length=256)
@@ -167,7 +171,12 @@ class Evals(_Strict):
     def quality_key(self) -> list[Any]:
         """The quality settings as JSON values, for cache keys."""
         tasks = [t if isinstance(t, str) else t.model_dump() for t in self.quality]
-        return [tasks, self.quality_dtype(), self.batch_size]
+        return [
+            tasks,
+            self.quality_dtype(),
+            self.batch_size,
+            *([self.backend] if self.backend != "hf" else []),
+        ]
 
     def length_problems(self, position_limit: int | None) -> list[str]:
         """Lengths the base cannot take (past its `position_limit` positions): each names the

@@ -57,17 +57,36 @@ def load_model(variant: VariantResult, dtype: str = "float32") -> tuple[Any, Any
     return model, AutoTokenizer.from_pretrained(variant.path)
 
 
+def engine_lm(variant: VariantResult, evals: Evals, max_length: int) -> Any:
+    """The variant in the engine as lm-eval's model (an adapter: on its base, through LoRA)."""
+    from evals.engine_lm import EngineLM
+
+    artifact = artifact_from_manifest(variant.path)
+    adapter = artifact.kind == "adapter"
+    return EngineLM(
+        artifact.base if adapter and artifact.base else variant.path,
+        dtype=evals.quality_dtype(),
+        max_length=max_length,
+        lora=variant.path if adapter else None,
+    )
+
+
 def measure_quality(evals: Evals, variant: VariantResult) -> QualityResult:
     from lm_eval import __version__ as lm_eval_version
 
-    from evals.quality import evaluate_model, item_scores, summarize
+    from evals.quality import evaluate_model, item_scores, run_tasks, summarize
 
     started = time.perf_counter()
-    model, tokenizer = load_model(variant, evals.quality_dtype())
     max_length = eval_max_length(evals, variant)
-    results = evaluate_model(
-        model, tokenizer, evals.task_requests(), max_length, batch_size=evals.batch_size
-    )
+    if evals.backend == "engine":
+        results = run_tasks(
+            engine_lm(variant, evals, max_length), None, evals.task_requests(), None, True
+        )
+    else:
+        model, tokenizer = load_model(variant, evals.quality_dtype())
+        results = evaluate_model(
+            model, tokenizer, evals.task_requests(), max_length, batch_size=evals.batch_size
+        )
     tasks = summarize(results, evals.task_names(), results["workbench_sources"])
     items = {name: item_scores(results, name) for name in tasks}
     return QualityResult(

@@ -60,8 +60,12 @@ class SamplingParams:
     logprobs: int | None = None
     """Return this many top logprobs for each generated token (0: only the sampled one's)."""
     prompt_logprobs: int | None = None
-    """Return the logprob of every prompt token (and this many top ones); such a request
-    bypasses the prefix cache, since cached tokens are not run through the model."""
+    """Return the logprob of every prompt token from `prompt_logprobs_from` on (and this many
+    top ones); the prefix cache serves such a request only before that position, since cached
+    tokens are not run through the model."""
+    prompt_logprobs_from: int = 0
+    """The first prompt position whose logprob is returned (earlier ones are None): a scorer
+    that reads only a continuation shares its context's cached blocks."""
     min_tokens: int = 0
     """End-of-sequence and stop token ids are masked (and stop strings not looked for) until
     this many tokens are out."""
@@ -98,6 +102,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:
                 problems.append(f"{name} must be in [0, 20], got {value}")
+        if self.prompt_logprobs_from < 0:
+            problems.append(f"prompt_logprobs_from must be >= 0, got {self.prompt_logprobs_from}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             problems.append(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         if any(not s for s in self.stop):

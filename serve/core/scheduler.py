@@ -36,7 +36,9 @@ class ScheduledChunk:
     """True when this chunk reaches the request's last token: the runner samples the next one."""
     adapter_id: int | None = None
     prompt_logprobs: bool = False
-    """Compute logits at every row of the chunk (the request asked for prompt logprobs)."""
+    """Compute logits at the chunk's rows from `first_logprob_row` on (the request asked for
+    prompt logprobs)."""
+    first_logprob_row: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,10 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Adopt prefix hits and allocate for the first chunk; None if blocks are short."""
-        wants_all_logits = request.sampling_params.prompt_logprobs is not None
-        hits = [] if wants_all_logits else self.kv.get_computed_blocks(request)
+        hits = self.kv.get_computed_blocks(request)
+        params = request.sampling_params
+        if params.prompt_logprobs is not None:  # position p - 1's logits score token p
+            hits = hits[: max(params.prompt_logprobs_from - 1, 0) // self.kv.block_size]
         num_hit = len(hits) * self.kv.block_size
         num_new = min(request.num_tokens - num_hit, budget)
         if not self.kv.allocate_slots(request, num_new, hits):
@@ -136,6 +140,8 @@ class Scheduler:
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
+        params = request.sampling_params
+        first = max(params.prompt_logprobs_from - 1 - start, 0)
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
@@ -143,8 +149,10 @@ class Scheduler:
             block_ids=self.kv.block_ids(request.request_id),
             sample=start + num_new == request.num_tokens,
             adapter_id=request.adapter_id,
-            prompt_logprobs=request.sampling_params.prompt_logprobs is not None
-            and start < request.num_prompt_tokens,
+            prompt_logprobs=params.prompt_logprobs is not None
+            and start < request.num_prompt_tokens
+            and first < num_new,
+            first_logprob_row=first,
         )
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

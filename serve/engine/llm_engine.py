@@ -286,7 +286,8 @@ class LLMEngine:
     def _record_prompt_logprobs(
         self, out: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
     ) -> None:
-        """Logits at position p score prompt token p + 1; token 0 gets None."""
+        """Logits at position p score prompt token p + 1; token 0, and those before
+        `prompt_logprobs_from`, get None."""
         for chunk in out.chunks:
             if chunk.request_id not in inputs.prompt_rows:
                 continue
@@ -294,9 +295,10 @@ class LLMEngine:
             first, count = inputs.prompt_rows[chunk.request_id]
             top_n = request.sampling_params.prompt_logprobs or 0
             if not request.prompt_logprobs:
-                request.prompt_logprobs.append(None)
+                skipped = max(request.sampling_params.prompt_logprobs_from, 1)
+                request.prompt_logprobs.extend([None] * min(skipped, request.num_prompt_tokens))
             for i in range(count):
-                target = chunk.start_pos + i + 1
+                target = chunk.start_pos + chunk.first_logprob_row + i + 1
                 if target == len(request.prompt_logprobs) and target < request.num_prompt_tokens:
                     token = request.prompt_token_ids[target]
                     request.prompt_logprobs.append(token_logprobs(logits[first + i], token, top_n))

@@ -40,8 +40,9 @@ def _logits_rows(
     for chunk in out.chunks:
         n = len(chunk.token_ids)
         if chunk.prompt_logprobs:
-            prompt_rows[chunk.request_id] = (len(rows), n)
-            rows.extend(range(start, start + n))
+            first = chunk.first_logprob_row
+            prompt_rows[chunk.request_id] = (len(rows), n - first)
+            rows.extend(range(start + first, start + n))
             if chunk.sample:
                 sample_rows[chunk.request_id] = len(rows) - 1
         elif chunk.sample:

@@ -161,3 +161,35 @@ def test_prompt_logprobs_match_transformers(
         for token, lp in logprobs.items():
             assert lp == pytest.approx(expected[pos - 1, token].item(), abs=1e-4)
     assert engine.scheduler.pool.num_free_blocks == engine.runner.num_blocks
+
+
+@pytest.mark.parametrize("budget", [2048, 16])
+def test_prompt_logprobs_from_a_position_share_the_cached_prefix_before_it(
+    model_dirs: dict[str, Path], cases: list[Case], budget: int
+) -> None:
+    """A scorer of a continuation: logprobs from position 40 on equal transformers', the
+    prefix cache serves the whole blocks before position 39, earlier positions get None."""
+    from tests.serve.test_engine_exact import make_engine
+
+    prompt = cases[6].prompt[:70]
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval()
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    engine = make_engine(model_dirs["llama"], budget=budget)
+    engine.add_request("warm", prompt[:60], SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    params = SamplingParams(max_tokens=0, prompt_logprobs=1, prompt_logprobs_from=40)
+    engine.add_request("a", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (out,) = [o for o in outputs if o.finished]
+    block = engine.scheduler.kv.block_size
+    assert out.num_cached_tokens == (39 // block) * block > 0
+    assert out.prompt_logprobs[:40] == [None] * 40 and len(out.prompt_logprobs) == len(prompt)
+    for pos, logprobs in enumerate(out.prompt_logprobs[40:], start=40):
+        assert logprobs is not None and prompt[pos] in logprobs
+        for token, lp in logprobs.items():
+            assert lp == pytest.approx(expected[pos - 1, token].item(), abs=1e-4)
+    assert engine.scheduler.pool.num_free_blocks == engine.runner.num_blocks
