@@ -36,9 +36,10 @@ MAX_GEN_TOKS = 256
 
 @register_model("workbench")
 class EngineLM(TemplateLM):
-    """`lm_eval --model workbench --model_args pretrained=DIR[,dtype=float32,max_length=N,
-    lora=ADAPTER_DIR,kv_cache=256MiB,max_num_batched_tokens=N]` (import `evals.engine_lm` first,
-    or use `python -m evals.engine_lm`, which registers it and runs lm-eval's CLI)."""
+    """lm-eval's `workbench` model: `python -m evals.engine_lm run --model workbench
+    --model_args pretrained=DIR[,dtype=float32,max_length=N,lora=ADAPTER_DIR,kv_cache=256MiB,
+    max_num_batched_tokens=N] --tasks ...` (lm-eval's own CLI with this module imported, which
+    registers the name)."""
 
     def __init__(
         self,
