@@ -92,6 +92,7 @@ def test_a_task_run_logs_the_same_answers_as_hflm(tiny_model_dir: Path) -> None:
             )
 
 
+@pytest.mark.slow
 def test_recipe_backend_engine_scores_a_model_and_an_adapter_as_hflm_does(tmp_path: Path) -> None:
     """`evals.backend: engine` in a recipe: per item, the same accuracies as the default
     backend, for the base and for a LoRA adapter served on it."""
