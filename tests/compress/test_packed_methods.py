@@ -152,27 +152,28 @@ def test_bad_settings_are_recipe_errors_naming_the_field(case: str, tmp_path: Pa
     assert message in str(e.value)
 
 
-def test_int4_embeddings_wider_than_the_hidden_size_are_refused_before_any_work(
-    tmp_path: Path,
-) -> None:
-    path = tmp_path / "r.yaml"
-    path.write_text(
-        "name: x\nbase: demo-tiny\nvariants:\n"
-        "  - {name: q, steps: [{quantize: {method: gptq, group_size: 32, embeddings: int4-g128}}]}\n"
-    )
-    recipe, ref = load_recipe(path)
-    with pytest.raises(StepError, match="int4-g128 needs a hidden size divisible by 128"):
-        Pipeline(recipe, ref, tmp_path / "work").run()
-    assert not (tmp_path / "work" / "variants" / "q").exists()
+REFUSED_BUILDS = {
+    "int4_embeddings_wider_than_the_hidden_size": (
+        "[{quantize: {method: gptq, group_size: 32, embeddings: int4-g128}}]",
+        StepError,
+        "int4-g128 needs a hidden size divisible by 128",
+    ),
+    "lora_on_a_packed_variant": (
+        "[{quantize: {method: rtn, group_size: 32}}, {lora: {rank: 2, steps: 2}}]",
+        PipelineError,
+        "LoRA cannot train on a rtn input",
+    ),
+}
 
 
-def test_lora_on_a_packed_variant_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", list(REFUSED_BUILDS))
+def test_a_refused_build_names_the_problem_and_leaves_nothing(case: str, tmp_path: Path) -> None:
+    """Refused before any work: by `validate` (LoRA on packed weights) or when the step reads
+    the model's shapes (an embedding group wider than the hidden size)."""
+    steps, error, message = REFUSED_BUILDS[case]
     path = tmp_path / "r.yaml"
-    path.write_text(
-        "name: x\nbase: demo-tiny\nvariants:\n"
-        "  - {name: q, steps: [{quantize: {method: rtn, group_size: 32}}, {lora: {rank: 2, steps: 2}}]}\n"
-    )
+    path.write_text(f"name: x\nbase: demo-tiny\nvariants:\n  - {{name: q, steps: {steps}}}\n")
     recipe, ref = load_recipe(path)
-    with pytest.raises(PipelineError, match="LoRA cannot train on a rtn input"):
+    with pytest.raises(error, match=message):
         Pipeline(recipe, ref, tmp_path / "work").run()
     assert not (tmp_path / "work" / "variants" / "q").exists()
