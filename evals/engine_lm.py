@@ -32,6 +32,8 @@ from serve.engine.llm import LLM
 from serve.http.flags import parse_size
 
 MAX_GEN_TOKS = 256
+LM_EVAL_EXTRAS = {"batch_size", "max_batch_size", "device"}
+"""What lm-eval's CLI passes every model besides its model_args (the engine batches by itself)."""
 
 
 @register_model("workbench")
@@ -50,15 +52,22 @@ class EngineLM(TemplateLM):
         kv_cache: str = "256MiB",
         max_num_batched_tokens: int = 2048,
         add_bos_token: bool | None = None,
-        **_: Any,
+        **lm_eval_extras: Any,
     ) -> None:
         super().__init__()
         from serve.core.config import ModelConfig
 
+        unknown = sorted(set(lm_eval_extras) - LM_EVAL_EXTRAS)
+        if unknown:
+            raise TypeError(
+                f"workbench model: unknown model_args {unknown}; allowed: pretrained, dtype, "
+                "max_length, lora, kv_cache, max_num_batched_tokens, add_bos_token"
+            )
+
         scheduler = SchedulerConfig(max_num_batched_tokens=int(max_num_batched_tokens))
         self.llm = LLM(
             ModelConfig(str(pretrained), dtype=dtype),  # type: ignore[arg-type]
-            cache=CacheConfig(kv_cache_bytes=parse_size(kv_cache)),
+            cache=CacheConfig(kv_cache_bytes=parse_size(str(kv_cache))),
             scheduler=scheduler,
             loras={"eval": lora} if lora else None,
         )

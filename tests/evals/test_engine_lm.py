@@ -113,3 +113,8 @@ def test_recipe_backend_engine_scores_a_model_and_an_adapter_as_hflm_does(tmp_pa
         hf = measure_quality(recipe.evals.model_copy(update={"backend": "hf"}), variant)
         assert engine.items["arc_easy"].acc == hf.items["arc_easy"].acc, variant.name
         assert engine.tasks["arc_easy"].acc_norm == hf.tasks["arc_easy"].acc_norm
+
+
+def test_an_unknown_model_arg_is_refused_by_name(tiny_model_dir: Path) -> None:
+    with pytest.raises(TypeError, match=r"unknown model_args \['dtpye'\]; allowed: pretrained"):
+        EngineLM(tiny_model_dir, dtpye="float32")
