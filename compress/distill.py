@@ -96,7 +96,8 @@ class DistillParams(StepParams):
         return self
 
 
-def evenly_kept(layers: int | list[int], num_teacher_layers: int) -> list[int]:
+def kept_layers(layers: int | list[int], num_teacher_layers: int) -> list[int]:
+    """The listed layers (sorted), or a count evenly spaced from the first to the last."""
     if isinstance(layers, list):
         return sorted(layers)
     return (
@@ -212,7 +213,7 @@ class Distill(Step):
         p = self.params
         total = teacher.config.num_hidden_layers
         if p.select == "even" or isinstance(p.layers, list):
-            return evenly_kept(p.layers, total), {
+            return kept_layers(p.layers, total), {
                 "layer_selection": "even" if isinstance(p.layers, int) else "listed"
             }
         params = CalibrationParams(data=p.data, samples=p.importance_windows, seq_len=p.seq_len)

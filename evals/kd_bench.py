@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from catalog.data import NAMED
 from compress.data import load_texts, token_rows
-from compress.distill import DistillParams, TopKD, _distill_loss, evenly_kept, student_from
+from compress.distill import DistillParams, TopKD, _distill_loss, kept_layers, student_from
 from compress.kd_loss import TopKCache
 from evals.step_bench import resolve_model
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     top_k = DistillParams(
         layers=args.layers, alpha=0.9, temperature=1.0, kd=TopKD(top_k=args.top_k)
     )
-    keep = evenly_kept(args.layers, teacher.config.num_hidden_layers)
+    keep = kept_layers(args.layers, teacher.config.num_hidden_layers)
     times: dict[str, list[float]] = {"full": [], "top-k, new windows": [], "top-k, cached": []}
     for round_ in range(args.rounds):
         at = round_ * args.steps * args.batch_size
