@@ -146,12 +146,11 @@ def quantize_embeddings(
 ) -> tuple[PackedFormat, Quantized] | None:
     """The input embedding's codes as `embeddings` says (int8: symmetric per row; int4: the
     asymmetric grid per group), its float weight (a tied head's too) replaced by their values
-    so that calibration and measurement see the built model; StepError when its shape does not
-    fit the format."""
+    so that calibration and measurement see the built model. Its shape was checked
+    (`check_embeddings`) before the model was loaded."""
     fmt = embedding_format(embeddings)
     if fmt is None:
         return None
-    check_embeddings(model, embeddings)
     weight = model.get_input_embeddings().weight.detach().float()
     codes = rtn(weight, fmt, sym=fmt.bits == 8)
     with torch.no_grad():
@@ -179,7 +178,7 @@ def quantize_packed(
     """The model's chosen linears packed by `params.method` (the model's float weights are
     changed in place: scaled by AWQ, replaced by their quantized values for GPTQ)."""
     fmt, info = params.format, params.record()
-    embeddings = quantize_embeddings(model, params.embeddings)  # first: its errors cost nothing
+    embeddings = quantize_embeddings(model, params.embeddings)  # first: calibration sees it
     modules: dict[str, tuple[PackedFormat, Quantized]] = {}
     if isinstance(params, RTNParams | HQQParams):
         for name, linear in quantized_linears(model, chosen).items():
@@ -255,10 +254,10 @@ def check_embeddings(model: Any, embeddings: Embeddings) -> None:
     """int4 rows need a hidden size divisible by the group size and a vocabulary by 16 (the
     int4 kernel's row blocks, which a tied head runs through)."""
     fmt = embedding_format(embeddings)
-    vocab, hidden = model.get_input_embeddings().weight.shape
     if fmt is None or fmt.bits != 4:
         return
     assert fmt.group_size is not None
+    vocab, hidden = model.get_input_embeddings().weight.shape
     if hidden % fmt.group_size:
         raise StepError(
             f"embeddings: {embeddings} needs a hidden size divisible by {fmt.group_size} (this "

@@ -160,10 +160,10 @@ def _budget_bytes(params: MixedParams, model: Any, parts: list[Part], planned: s
         return int(params.budget.bits_per_weight * sum(p.params for p in parts) / 8)
     embed = model.get_input_embeddings().weight
     other = 0
+    fmt = embedding_format(params.embeddings)
     for name, tensor in model.named_parameters(remove_duplicate=True):
         if name.removesuffix(".weight") in planned:
             continue
-        fmt = embedding_format(params.embeddings)
         if tensor is embed and fmt is not None:
             other += math.ceil(tensor.numel() * fmt.bits_per_weight() / 8) + (
                 0 if fmt.group_size else tensor.shape[0] * 8
@@ -188,7 +188,7 @@ def quantize_mixed(
     ctx: StepContext,
     progress: Any,
 ) -> tuple[PackedModel, dict[str, Any]]:
-    embeddings = quantize_embeddings(model, params.embeddings)  # first: its errors cost nothing
+    embeddings = quantize_embeddings(model, params.embeddings)  # first: the scan sees it
     parts = parts_of(model, chosen)
     planned = {n for p in parts for n in p.linears}
     modules = dict(model.named_modules())

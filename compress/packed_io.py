@@ -119,17 +119,21 @@ def load_packed(
         del old
     embed_fmt = embedding_format(spec)
     embed_name = _embedding_name(model)
-    embedding = take_quantized(state, embed_name, embed_fmt.bits, device) if embed_fmt else None
+    embedding = (
+        (embed_fmt, take_quantized(state, embed_name, embed_fmt.bits, device))
+        if embed_fmt
+        else None
+    )
     missing, unexpected = model.load_state_dict(state, strict=False)
-    allowed = {f"{embed_name}.weight"} if embed_fmt else set()
+    allowed = {f"{embed_name}.weight"} if embedding else set()
     missing = [k for k in missing if k not in allowed and not _is_tied_head(model, k)]
     if missing or unexpected:
         raise ValueError(
             f"{spec.path / WEIGHTS}: tensors missing {missing[:5]} or unexpected "
             f"{unexpected[:5]}; the checkpoint does not match its config: rebuild the variant"
         )
-    if embed_fmt is not None and embedding is not None:
-        _install_embeddings(model, embed_fmt, embedding, dtype, bool(spec.params.get("tied")))
+    if embedding is not None:
+        _install_embeddings(model, *embedding, dtype, bool(spec.params.get("tied")))
     else:
         model.tie_weights()  # NOTE: from_config without weight init leaves a tied head unset
     return model.to(device)

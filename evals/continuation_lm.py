@@ -31,6 +31,16 @@ POSITIONS_PER_FORWARD = 2048
 logits): batches of long windows, rolling perplexity's, are split to stay under it."""
 
 
+def scored_window(
+    context: list[int], continuation: list[int], max_length: int
+) -> tuple[list[int], int]:
+    """lm-eval's window for a (context, continuation) request: the two joined and cut on the left
+    to `max_length + 1` tokens (a model is fed all but the last), and how many of its last tokens
+    are scored: the continuation's, unless the cut reached into it."""
+    whole = (context + continuation)[-(max_length + 1) :]
+    return whole, min(len(continuation), len(whole) - 1)
+
+
 @dataclass(frozen=True)
 class _Scored:
     """One request: its window's row and the positions whose predictions it reads."""
@@ -59,17 +69,12 @@ class ContinuationLM(HFLM):
     """HFLM whose `loglikelihood` and `loglikelihood_rolling` project only the scored positions;
     generation is HFLM's."""
 
-    def _window(self, context: list[int], continuation: list[int]) -> tuple[tuple[int, ...], int]:
-        """The input tokens lm-eval would feed and how many of the continuation's tokens it
-        scores (all of them unless the window cut into the continuation)."""
-        whole = (context + continuation)[-(self.max_length + 1) :]
-        return tuple(whole[:-1]), min(len(continuation), len(whole) - 1)
-
     def _plan(self, requests: list[Any]) -> tuple[list[tuple[int, ...]], list[_Scored]]:
         windows: dict[tuple[int, ...], int] = {}
         scored = []
         for _, context, continuation in requests:
-            window, n = self._window(list(context), list(continuation))
+            whole, n = scored_window(list(context), list(continuation), self.max_length)
+            window = tuple(whole[:-1])
             row = windows.setdefault(window, len(windows))
             targets = tuple(continuation[len(continuation) - n :])
             scored.append(_Scored(row, len(window) - n, targets))

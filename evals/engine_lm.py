@@ -26,6 +26,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
 from tqdm import tqdm
 
+from evals.continuation_lm import scored_window
 from serve.core.config import CacheConfig, SchedulerConfig
 from serve.core.sampling_params import SamplingParams
 from serve.engine.llm import LLM
@@ -114,8 +115,8 @@ class EngineLM(TemplateLM):
     def _window(self, context: list[int], continuation: list[int]) -> tuple[list[int], int]:
         """lm-eval's window (fed whole: the engine scores token p from position p - 1) and the
         position of its first scored token."""
-        whole = (context + continuation)[-(self.max_length + 1) :]
-        return whole, len(whole) - min(len(continuation), len(whole) - 1)
+        whole, scored = scored_window(context, continuation, self.max_length)
+        return whole, len(whole) - scored
 
     def _loglikelihood_tokens(
         self, requests: list[Any], disable_tqdm: bool = False, **_: Any
