@@ -30,7 +30,13 @@ from safetensors.torch import save_file
 from compress.artifact import atomic_dir
 from compress.load_spec import PACKED, LoadSpec, read_load_spec
 from compress.packed import PackedFormat, Quantized
-from compress.packed_io import SUFFIXES, WEIGHTS, embedding_format, read_tensors, take_quantized
+from compress.packed_io import (
+    SUFFIXES,
+    WEIGHTS,
+    read_tensors,
+    stored_embedding_format,
+    take_quantized,
+)
 
 ExportFormat = Literal["hf", "compressed-tensors", "gguf"]
 EXPORT_FORMATS: tuple[ExportFormat, ...] = ("hf", "compressed-tensors", "gguf")
@@ -90,7 +96,7 @@ def _export_gguf(spec: LoadSpec, out: Path, gguf_type: str | None) -> dict[str, 
         for name, qw in codes.items():
             state[f"{name}.weight"] = qw.dequantize()
             name_of = spec.module_formats.get(name)
-            fmt = PackedFormat.parse(name_of) if name_of else embedding_format(spec)
+            fmt = PackedFormat.parse(name_of) if name_of else stored_embedding_format(spec)
             types[f"{name}.weight"] = "q4_1" if fmt and fmt.bits == 4 else "q8_0"
     else:
         state = read_tensors(spec.path)
@@ -151,7 +157,7 @@ def packed_weights(spec: LoadSpec) -> tuple[dict[str, torch.Tensor], dict[str, Q
     its codes; the coded modules' keys are removed from the float tensors."""
     state = read_tensors(spec.path)
     coded = {n: PackedFormat.parse(f).bits for n, f in spec.module_formats.items()}
-    embed_fmt = embedding_format(spec)
+    embed_fmt = stored_embedding_format(spec)
     if embed_fmt is not None:
         embedding = next(k[: -len(".qweight")] for k in state if _is_embedding_codes(k, coded))
         coded[embedding] = embed_fmt.bits

@@ -117,7 +117,7 @@ def load_packed(
         bias = state.pop(f"{name}.bias", None)
         _replace(model, name, packed_module(fmt, qw, bias, dtype))
         del old
-    embed_fmt = embedding_format(spec)
+    embed_fmt = stored_embedding_format(spec)
     embed_name = _embedding_name(model)
     embedding = (
         (embed_fmt, take_quantized(state, embed_name, embed_fmt.bits, device))
@@ -143,7 +143,7 @@ def _is_tied_head(model: Any, key: str) -> bool:
     return key == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
 
 
-def embedding_format(spec: LoadSpec) -> PackedFormat | None:
+def stored_embedding_format(spec: LoadSpec) -> PackedFormat | None:
     """The packed embedding's format (`embeddings` in the packed manifest), None when float."""
     name = spec.params.get("embeddings")
     return PackedFormat.parse(name) if name else None
