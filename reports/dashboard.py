@@ -21,6 +21,7 @@ from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from reports import figures
+from reports.metrics import CAPACITY_RATE, P95_E2E
 from reports.report import entries
 
 PAGE = Path(__file__).with_name("dashboard.html")
@@ -93,19 +94,16 @@ class Filters:
     """Request rate within the run's SLO at least this, at every prompt length measured."""
 
     def passes(self, row: dict[str, Any]) -> bool:
-        def values(prefix: str) -> list[float]:
-            return [v for k, v in row.items() if k.startswith(prefix) and v is not None]
-
         if self.budget_mb is not None:
             weights = row.get("weight_bytes")
             if weights is None or weights > self.budget_mb * 1e6:
                 return False
         if self.max_e2e_p95_s is not None:
-            e2e = values("p95_e2e_c16_p")
+            e2e = [v for v in P95_E2E.values(row).values() if v is not None]
             if not e2e or max(e2e) > self.max_e2e_p95_s:
                 return False
         if self.min_slo_rate is not None:
-            rates = [v for k, v in row.items() if k.startswith("capacity_rate_p")]
+            rates = list(CAPACITY_RATE.values(row).values())
             if not rates or any(r is None or r < self.min_slo_rate for r in rates):
                 return False
         return True

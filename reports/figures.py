@@ -12,6 +12,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from reports.metrics import CAPACITY_RATE
 from reports.rows import pareto_front
 
 Entry = dict[str, Any]
@@ -187,9 +188,7 @@ def capacity_vs_quality(entries: list[Entry], quality_key: str, lower_better: bo
     fig = go.Figure()
     for i, e in enumerate(entries):
         rates = sorted(
-            (int(k.removeprefix("capacity_rate_p")), v)
-            for k, v in e["row"].items()
-            if k.startswith("capacity_rate_p") and v is not None
+            (int(n), v) for n, v in CAPACITY_RATE.values(e["row"]).items() if v is not None
         )
         quality = e["row"].get(quality_key)
         if not rates or quality is None:
@@ -219,7 +218,7 @@ def all_figures(entries: list[Entry], quality_key: str | None, lower_better: boo
     figs: dict[str, go.Figure] = {}
     if quality_key:
         figs["quality"] = quality_vs_memory(entries, quality_key, lower_better)
-        if any(k.startswith("capacity_rate_p") for e in entries for k in e["row"]):
+        if any(CAPACITY_RATE.values(e["row"]) for e in entries):
             figs["capacity"] = capacity_vs_quality(entries, quality_key, lower_better)
     if any(e.get("load") for e in entries):
         figs["throughput"] = throughput_vs_concurrency(entries)

@@ -32,6 +32,45 @@ scores, documents' loglikelihoods over their bytes, or windows' mean NLL per tok
 
 
 @dataclass(frozen=True)
+class Family:
+    """Row keys of one figure measured at several settings (a prompt length, a data set): the
+    prefix, then the setting. Rows are written and read through it, so no other module spells a
+    key."""
+
+    prefix: str
+
+    def key(self, setting: object) -> str:
+        return f"{self.prefix}{setting}"
+
+    def owns(self, key: str) -> bool:
+        return key.startswith(self.prefix)
+
+    def values(self, row: dict[str, Any]) -> dict[str, Any]:
+        """{setting: value} of this family's keys in `row` (None values kept)."""
+        return {k.removeprefix(self.prefix): v for k, v in row.items() if self.owns(k)}
+
+
+REFERENCE_CONCURRENCY = 16
+"""The concurrency whose p95 latencies the table shows."""
+P95_E2E = Family(f"p95_e2e_c{REFERENCE_CONCURRENCY}_p")
+P95_ITL = Family(f"p95_itl_c{REFERENCE_CONCURRENCY}_p")
+SATURATION = Family("saturation_p")
+SATURATION_ESTIMATE = Family("saturation_estimate_p")
+CAPACITY_RATE = Family("capacity_rate_p")
+"""Per prompt length: the highest request rate whose p95s meet the run's SLO."""
+CAPACITY_CONC = Family("capacity_conc_p")
+RECOVERY = Family("recovery_")
+
+
+def stderr_key(key: str) -> str:
+    return f"{key}_stderr"
+
+
+def bits_per_byte_key(task: str) -> str:
+    return f"{task}_bits_per_byte"
+
+
+@dataclass(frozen=True)
 class Metric:
     key: str
     """The row key (report.json `variants[].row`)."""
@@ -45,6 +84,8 @@ class Metric:
     """What is paired: the lm-eval task, or the divergence data set."""
     measure: str | None = None
     """The lm-eval metric (acc, acc_norm, word_perplexity) a task column shows."""
+    short: str | None = None
+    """The label in `workbench run`'s summary table; metrics without one are left out of it."""
 
     def column(self) -> dict[str, Any]:
         out: dict[str, Any] = {"key": self.key, "label": self.label, "format": self.format}
@@ -52,6 +93,8 @@ class Metric:
             out["better"] = self.better
         if self.stderr_key:
             out["stderr_key"] = self.stderr_key
+        if self.short:
+            out["short"] = self.short
         return out | {"group": self.group}
 
 
@@ -106,13 +149,14 @@ def task_metrics(task: str, measured: dict[str, VariantEvals]) -> list[Metric]:
         "float" if lower else "pct",
         "lower" if lower else "higher",
         "quality",
-        stderr_key=None if lower else f"{task}_stderr",
+        stderr_key=None if lower else stderr_key(task),
         paired="bits_per_byte" if lower else "accuracy",
         source=task,
         measure=measure,
+        short=task,
     )
     recovery = Metric(
-        f"recovery_{task}",
+        RECOVERY.key(task),
         f"{task} recovery{' (bits/byte)' if lower else ''}",
         "pct100",
         "higher",
@@ -121,28 +165,31 @@ def task_metrics(task: str, measured: dict[str, VariantEvals]) -> list[Metric]:
     return [shown, recovery]
 
 
+PPL, BPB, KL, AGREE = Family("ppl_"), Family("bpb_"), Family("kl_"), Family("agree_")
+DIVERGENCE_STATS = {  # per data set: (`evals.divergence` statistic, its standard error)
+    PPL: ("perplexity", None),
+    BPB: ("bits_per_byte", None),
+    KL: ("kl_mean", "kl_stderr"),
+    AGREE: ("top1_agreement", "top1_agreement_stderr"),
+}
+
+
 def divergence_metrics(data: str, reference: str) -> list[Metric]:
+    kl, agree = KL.key(data), AGREE.key(data)
     return [
-        Metric(f"ppl_{data}", f"token ppl ({data})", "float", "lower", "divergence",
+        Metric(PPL.key(data), f"token ppl ({data})", "float", "lower", "divergence",
                paired="window_nll", source=data),
-        Metric(f"bpb_{data}", f"bits/byte ({data})", "float", "lower", "divergence"),
-        Metric(f"kl_{data}", f"KL vs {reference} ({data}, nats)", "float", "lower", "divergence",
-               stderr_key=f"kl_{data}_stderr", source=data),
-        Metric(f"agree_{data}", f"top-1 agreement ({data})", "pct", "higher", "divergence",
-               stderr_key=f"agree_{data}_stderr"),
+        Metric(BPB.key(data), f"bits/byte ({data})", "float", "lower", "divergence"),
+        Metric(kl, f"KL vs {reference} ({data}, nats)", "float", "lower", "divergence",
+               stderr_key=stderr_key(kl), source=data),
+        Metric(agree, f"top-1 agreement ({data})", "pct", "higher", "divergence",
+               stderr_key=stderr_key(agree)),
     ]  # fmt: skip
 
 
-DIVERGENCE_STATS = {  # row key prefix: (`evals.divergence` statistic, its standard error)
-    "ppl": ("perplexity", None),
-    "bpb": ("bits_per_byte", None),
-    "kl": ("kl_mean", "kl_stderr"),
-    "agree": ("top1_agreement", "top1_agreement_stderr"),
-}
-
 MEMORY = [
     Metric("parameters", "params", "int", None, "memory"),
-    Metric("weight_bytes", "weight memory", "bytes", "lower", "memory"),
+    Metric("weight_bytes", "weight memory", "bytes", "lower", "memory", short="weights"),
     Metric("kv_bytes_per_token", "KV B/token", "int", "lower", "memory"),
 ]
 
@@ -151,24 +198,26 @@ def serving_metrics(load_settings: dict[str, Any]) -> list[Metric]:
     """Peak throughput and failed requests, then per prompt length: p95 latencies at 16 clients,
     KV saturation, and with an SLO the capacity within it."""
     out = [
-        Metric("peak_output_tok_s", "peak tok/s", "float", "higher", "serving"),
+        Metric("peak_output_tok_s", "peak tok/s", "float", "higher", "serving", short="peak tok/s"),
         Metric("peak_req_s", "peak req/s", "float", "higher", "serving"),
         Metric("failed_requests", "failed requests", "int", "lower", "serving"),
     ]
     slo = load_settings.get("slo")
     bounds = ", ".join(f"{k.removesuffix('_s')} {v:g} s" for k, v in (slo or {}).items() if v)
+    c = REFERENCE_CONCURRENCY
     for n in load_settings["prompt_len"]:
         out += [
-            Metric(f"p95_e2e_c16_p{n}", f"p95 e2e s @c16 p{n}", "float", "lower", "serving"),
-            Metric(f"p95_itl_c16_p{n}", f"p95 ITL s @c16 p{n}", "float", "lower", "serving"),
-            Metric(f"saturation_p{n}", f"saturation conc. p{n}", "int", "higher", "serving"),
-            Metric(f"saturation_estimate_p{n}", f"estimate p{n}", "float", None, "serving"),
-        ]
+            Metric(P95_E2E.key(n), f"p95 e2e s @c{c} p{n}", "float", "lower", "serving"),
+            Metric(P95_ITL.key(n), f"p95 ITL s @c{c} p{n}", "float", "lower", "serving"),
+            Metric(SATURATION.key(n), f"saturation conc. p{n}", "int", "higher", "serving",
+                   short=f"sat. p{n}"),
+            Metric(SATURATION_ESTIMATE.key(n), f"estimate p{n}", "float", None, "serving"),
+        ]  # fmt: skip
         if slo:
             out += [
-                Metric(f"capacity_rate_p{n}", f"req/s within SLO p{n} ({bounds})", "float",
-                       "higher", "serving"),
-                Metric(f"capacity_conc_p{n}", f"clients within SLO p{n}", "int", "higher",
+                Metric(CAPACITY_RATE.key(n), f"req/s within SLO p{n} ({bounds})", "float",
+                       "higher", "serving", short=f"req/s in SLO p{n}"),
+                Metric(CAPACITY_CONC.key(n), f"clients within SLO p{n}", "int", "higher",
                        "serving"),
             ]  # fmt: skip
     return out
@@ -183,12 +232,15 @@ def registry(
     """The run's metrics, in table order; with a `reference`, each variant's paired verdicts
     against it (`reports.comparisons.summary`) lead the quality group."""
     out = [
-        Metric("variant", "variant", "text", None, "variant"),
+        Metric("variant", "variant", "text", None, "variant", short="variant"),
         Metric("steps", "steps", "text", None, "variant"),
         *MEMORY,
     ]
     if reference is not None and len(measured) > 1:
-        out.append(Metric("verdicts", f"paired vs {reference}", "text", None, "quality"))
+        out.append(
+            Metric("verdicts", f"paired vs {reference}", "text", None, "quality",
+                   short="paired verdicts")
+        )  # fmt: skip
     for task in tasks:
         out += task_metrics(task, measured)
     div = next((e.divergence for e in measured.values() if e.divergence), None)

@@ -15,6 +15,7 @@ from collections import defaultdict
 from typing import Any
 
 from reports.comparisons import describe_delta, describe_mde
+from reports.metrics import CAPACITY_RATE
 from reports.rows import front
 
 
@@ -149,7 +150,7 @@ def _capacity(run: _Run) -> list[str]:
     key, lower = run.axis.get("key"), run.axis.get("lower_is_better", True)
     excluded = set(run.axis.get("excluded", []))
     out = []
-    for column in (k for k in run.labels if k.startswith("capacity_rate_p")):
+    for column in (k for k in run.labels if CAPACITY_RATE.owns(k)):
         label = run.labels[column]
         rated = sorted((r for r in run.rows if r.get(column) is not None), key=lambda r: -r[column])
         missed = [r["variant"] for r in run.rows if r.get(column) is None]

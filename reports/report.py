@@ -23,7 +23,7 @@ from evals.settings import Evals
 from evals.variant_evals import Measurements
 from reports import figures
 from reports.comparisons import compare, reference_name, summary
-from reports.metrics import Metric, registry
+from reports.metrics import KL, Metric, registry
 from reports.recommend import recommendation
 from reports.render import html_tables, markdown
 from reports.rows import add_recovery, pareto_front, variant_row
@@ -57,7 +57,7 @@ def quality_axis(
     """The quality plot's and Pareto front's axis: KL against the reference on the held-out data
     set the fewest variants trained or calibrated on (those are `excluded` from the front), else
     the first task's headline metric."""
-    kl = [m for m in metrics if m.group == "divergence" and m.key.startswith("kl_")]
+    kl = [m for m in metrics if m.group == "divergence" and KL.owns(m.key)]
     if kl:
         seen = {v.name: seen_data(v.manifest.steps) for v in variants}
         axis = min(kl, key=lambda m: sum(m.source in s for s in seen.values()))

@@ -13,7 +13,22 @@ from typing import Any
 
 from compress.manifest import Manifest
 from evals.results import LoadResult, VariantEvals
-from reports.metrics import DIVERGENCE_STATS, headline, lower_is_better, task_measure
+from reports.metrics import (
+    CAPACITY_CONC,
+    CAPACITY_RATE,
+    DIVERGENCE_STATS,
+    P95_E2E,
+    P95_ITL,
+    RECOVERY,
+    REFERENCE_CONCURRENCY,
+    SATURATION,
+    SATURATION_ESTIMATE,
+    bits_per_byte_key,
+    headline,
+    lower_is_better,
+    stderr_key,
+    task_measure,
+)
 
 
 def describe_steps(manifest: Manifest) -> str:
@@ -27,7 +42,7 @@ def describe_steps(manifest: Manifest) -> str:
     return " + ".join(parts) or "identity"
 
 
-def load_columns(load: LoadResult | None, reference_concurrency: int = 16) -> dict[str, Any]:
+def load_columns(load: LoadResult | None) -> dict[str, Any]:
     """Peak throughput, p95 at the reference concurrency and saturation, per prompt length."""
     if not load:
         return {}
@@ -40,16 +55,16 @@ def load_columns(load: LoadResult | None, reference_concurrency: int = 16) -> di
         "failed_requests": sum(p.failed for p in load.every_point()),
     }
     for length, cap in capacity.items():
-        row[f"capacity_conc_p{length}"] = cap.concurrency
-        row[f"capacity_rate_p{length}"] = cap.request_rate
+        row[CAPACITY_CONC.key(length)] = cap.concurrency
+        row[CAPACITY_RATE.key(length)] = cap.request_rate
     for length, sat in load.saturation.items():
-        point = load.at(int(length), reference_concurrency)
-        row[f"p95_e2e_c{reference_concurrency}_p{length}"] = point.e2e.p95 if point else None
+        point = load.at(int(length), REFERENCE_CONCURRENCY)
+        row[P95_E2E.key(length)] = point.e2e.p95 if point else None
         itl = point.itl if point else None
-        row[f"p95_itl_c{reference_concurrency}_p{length}"] = itl.p95 if itl else None
-        row[f"saturation_p{length}"] = sat.measured_concurrency
+        row[P95_ITL.key(length)] = itl.p95 if itl else None
+        row[SATURATION.key(length)] = sat.measured_concurrency
         estimate = sat.estimated_concurrency
-        row[f"saturation_estimate_p{length}"] = round(estimate, 1) if estimate is not None else None
+        row[SATURATION_ESTIMATE.key(length)] = round(estimate, 1) if estimate is not None else None
     return row
 
 
@@ -68,14 +83,14 @@ def variant_row(name: str, manifest: Manifest, evals: VariantEvals) -> dict[str,
         measure = headline(task, score)
         if measure:
             row[task] = score.metric(measure)
-            row[f"{task}_stderr"] = score.metric(f"{measure}_stderr")
+            row[stderr_key(task)] = score.metric(f"{measure}_stderr")
         if score.bits_per_byte is not None:
-            row[f"{task}_bits_per_byte"] = score.bits_per_byte
+            row[bits_per_byte_key(task)] = score.bits_per_byte
     for data, stats in (evals.divergence.data if evals.divergence else {}).items():
-        for prefix, (stat, stderr) in DIVERGENCE_STATS.items():
-            row[f"{prefix}_{data}"] = getattr(stats, stat)
+        for family, (stat, stderr) in DIVERGENCE_STATS.items():
+            row[family.key(data)] = getattr(stats, stat)
             if stderr:
-                row[f"{prefix}_{data}_stderr"] = getattr(stats, stderr)
+                row[stderr_key(family.key(data))] = getattr(stats, stderr)
     row.update(load_columns(evals.load))
     return row
 
@@ -86,8 +101,8 @@ def add_recovery(
     measured: dict[str, VariantEvals],
     reference: str | None,
 ) -> None:
-    """`recovery_<task>` in percent against the reference's row; a row without the task gets
-    None."""
+    """Each task's recovery in percent against the reference's row; a row without the task
+    gets None."""
     if not rows:
         return
     base = next((r for r in rows if r["variant"] == reference), rows[0])
@@ -95,13 +110,14 @@ def add_recovery(
         metric = task_measure(measured, task)
         for r in rows:
             value, ref = r.get(task), base.get(task)
+            key = RECOVERY.key(task)
             if value is None or not ref or metric is None:
-                r[f"recovery_{task}"] = None
+                r[key] = None
             elif lower_is_better(metric):
-                bpb, ref_bpb = r.get(f"{task}_bits_per_byte"), base.get(f"{task}_bits_per_byte")
-                r[f"recovery_{task}"] = 100.0 * ref_bpb / bpb if bpb and ref_bpb else None
+                bpb, ref_bpb = r.get(bits_per_byte_key(task)), base.get(bits_per_byte_key(task))
+                r[key] = 100.0 * ref_bpb / bpb if bpb and ref_bpb else None
             else:
-                r[f"recovery_{task}"] = 100.0 * value / ref
+                r[key] = 100.0 * value / ref
 
 
 def front(rows: list[dict[str, Any]], axes: list[tuple[str, bool]]) -> list[str]:

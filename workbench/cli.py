@@ -114,20 +114,9 @@ def _report_table(report: dict) -> Table:
     from reports.render import fmt
 
     table = Table(title=report["title"])
-    tasks = report["settings"]["quality_tasks"]
-    short = {"variant": "variant", "weight_bytes": "weights", "verdicts": "paired verdicts"}
-    short |= {"peak_output_tok_s": "peak tok/s"} | {t: t for t in tasks}
-    prefixes = {"saturation_p": "sat. p", "capacity_rate_p": "req/s in SLO p"}
-    cols = [
-        c
-        for c in report["columns"]
-        if c["key"] in short or any(c["key"].startswith(p) for p in prefixes)
-    ]
+    cols = [c for c in report["columns"] if c.get("short")]
     for c in cols:
-        label = short.get(c["key"]) or next(
-            c["key"].replace(p, text) for p, text in prefixes.items() if c["key"].startswith(p)
-        )
-        table.add_column(label, justify="left" if c["format"] == "text" else "right")
+        table.add_column(c["short"], justify="left" if c["format"] == "text" else "right")
     for v in report["variants"]:
         table.add_row(*(fmt(v["row"].get(c["key"]), c["format"]) for c in cols))
     return table

@@ -12,6 +12,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from catalog import ensure_demo_model
 from evals.quality import TaskRequest, evaluate_model, summarize
+from reports.metrics import (
+    CAPACITY_RATE,
+    P95_E2E,
+    SATURATION,
+    bits_per_byte_key,
+    stderr_key,
+)
 from reports.render import cell
 from tests.reports.conftest import Run, run_in, workbench_run
 
@@ -255,6 +262,30 @@ def test_markdown_and_html(small_run: Run) -> None:
     for plot in ("quality", "throughput", "latency", "kv", "capacity"):
         assert f'id="plot-{plot}"' in page
     assert (small_run.report_dir / "plotly.min.js").stat().st_size > 1_000_000
+
+
+def test_every_row_key_is_a_declared_metric_or_its_companion(small_run: Run) -> None:
+    """The registry owns the row keys: each is a column, a column's standard error or bits per
+    byte, or one of the manifest's own fields that no table shows."""
+    report = report_of(small_run)
+    columns = {c["key"] for c in report["columns"]}
+    companions = {stderr_key(k) for k in columns} | {bits_per_byte_key(k) for k in columns}
+    unshown = {"kind", "trainable_parameters", "bytes_on_disk", "kv_tokens"}
+    for v in report["variants"]:
+        assert set(v["row"]) - columns - companions <= unshown, v["name"]
+    lengths = [str(n) for n in PROMPT_LENS]
+    for family in (CAPACITY_RATE, P95_E2E, SATURATION):
+        assert sorted(family.values(report["variants"][0]["row"])) == lengths
+
+
+def test_the_run_summary_shows_the_metrics_declaring_a_short_label(small_run: Run) -> None:
+    from workbench.cli import _report_table
+
+    report = report_of(small_run)
+    headers = [str(c.header) for c in _report_table(report).columns]
+    assert headers == [c["short"] for c in report["columns"] if c.get("short")]
+    assert headers[:2] == ["variant", "weights"] and "paired verdicts" in headers
+    assert {*TASKS, "peak tok/s", "sat. p16", "req/s in SLO p48"} <= set(headers)
 
 
 def _eval_files(root: Path) -> dict[str, float]:
