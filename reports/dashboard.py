@@ -4,7 +4,9 @@ Model: a run is a directory `<reports>/<run>/` holding a `report.json`; the dire
 every request, so a report written while the dashboard runs appears on reload. The page
 (`dashboard.html`) asks `/api/runs` what exists and `/api/compare` for the chosen runs and
 variants: the union of their table columns, one row per variant labelled `run / variant`, and
-the report's plots (`reports.figures`) over exactly those variants. `Filters` (a memory budget,
+the report's plots (`reports.figures`) over exactly those variants, and each run's paired
+comparisons of those variants against that run's reference (pairs never cross runs: the items
+are the same only within one). `Filters` (a memory budget,
 a p95 latency bound, a minimum capacity within the run's SLO) keep only the variants known to
 meet them: a variant without the figure a filter reads is hidden while that filter is set.
 """
@@ -22,6 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from reports import figures
 from reports.metrics import CAPACITY_RATE, P95_E2E
+from reports.render import COMPARISON_HEAD, comparison_rows
 from reports.report import entries
 
 PAGE = Path(__file__).with_name("dashboard.html")
@@ -109,14 +112,31 @@ class Filters:
         return True
 
 
+PAIRED_HEAD = [COMPARISON_HEAD[0], "paired with", *COMPARISON_HEAD[1:]]
+
+
+def paired_rows(report: dict[str, Any], run: str, shown: set[str]) -> list[dict[str, Any]]:
+    """The run's paired comparisons (report.md's table, the same cells) of the variants shown:
+    each against its own run's reference, measured on the same items."""
+    comparisons = report.get("comparisons") or {}
+    reference = f"{run} / {comparisons.get('reference')}"
+    out = []
+    for cells, r in zip(comparison_rows(report), comparisons.get("rows", []), strict=True):
+        label = f"{run} / {r['variant']}"
+        if label in shown:
+            out.append({"label": label, "metric": r["metric"], "verdict": r["verdict"],
+                        "cells": [label, reference, *cells[1:]]})  # fmt: skip
+    return out
+
+
 def compare(
     runs: dict[str, dict[str, Any]],
     chosen_runs: list[str],
     chosen: set[str] | None,
     filters: Filters | None = None,
 ) -> dict[str, Any]:
-    """Columns, rows and figures for the chosen runs; `chosen` = labels `run / variant` to
-    keep (None: all); `hidden`: the chosen variants `filters` left out."""
+    """Columns, rows, paired comparisons and figures for the chosen runs; `chosen` = labels
+    `run / variant` to keep (None: all); `hidden`: the chosen variants `filters` left out."""
     filters = filters or Filters()
     columns: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -135,6 +155,8 @@ def compare(
                 continue
             picked.append(e)
             rows.append({**e["row"], "label": e["label"], "run": run})
+    shown = {e["label"] for e in picked}
+    paired = [p for run in chosen_runs for p in paired_rows(runs[run], run, shown)]
     axis = next((runs[r]["quality_axis"] for r in chosen_runs), {"key": None})
     key, lower = axis.get("key"), axis.get("lower_is_better", True)
     figs = figures.all_figures(picked, key, bool(lower))
@@ -143,6 +165,8 @@ def compare(
         "columns": columns,
         "rows": rows,
         "hidden": hidden,
+        "paired_head": PAIRED_HEAD,
+        "paired": paired,
         "figures": {name: json.loads(fig.to_json()) for name, fig in figs.items()},
     }
 

@@ -17,8 +17,9 @@ import httpx
 import pytest
 import uvicorn
 
-from reports.dashboard import build_app
+from reports.dashboard import PAIRED_HEAD, build_app
 from reports.render import cell as report_cell
+from reports.render import comparison_rows
 from tests.reports.conftest import Run
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -176,6 +177,54 @@ def test_dashboard_in_a_real_browser(
     _wait_updates(browser, 4)
     assert browser.save_screenshot(str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def _paired(driver: object) -> list[list[str]]:
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#paired-table tbody tr')]"
+        ".map(r => [...r.children].map(td => td.textContent))"
+    )
+
+
+def test_paired_comparisons_of_the_variants_shown_in_a_real_browser(
+    browser: object, dashboard: str, reports_dir: Path
+) -> None:
+    reports = {
+        r: json.loads((reports_dir / r / "report.json").read_text()) for r in ("other", "small")
+    }
+
+    def expected(hide: set[str]) -> list[list[str]]:
+        out = []
+        for run, report in reports.items():
+            names = {v["name"] for v in report["variants"]}
+            reference = report["comparisons"]["reference"]
+            for cells in comparison_rows(report):
+                label = f"{run} / {cells[0]}"
+                if cells[0] in names and label not in hide:
+                    out.append([label, f"{run} / {reference}", *cells[1:]])
+        return out
+
+    browser.get(dashboard + "/")
+    _wait_updates(browser, 1)
+    head = browser.execute_script(
+        "return [...document.querySelectorAll('#paired-table th')].map(th => th.textContent)"
+    )
+    assert head == PAIRED_HEAD
+    shown = _paired(browser)
+    # `other` lost its int8 variant: its comparisons stay in its report.json, not on the page
+    assert shown == expected(set()) and len(shown) > 0
+    assert not any(row[0] == "other / int8" for row in shown)
+    assert any(row[0] == "small / int8" for row in shown)
+
+    _click(browser, "#variants input[value='small / int8']")
+    _wait_updates(browser, 2)
+    assert _paired(browser) == expected({"small / int8"})
+    # a budget below every variant: nothing shown, nothing paired
+    _set_filter(browser, "budget-mb", "0.000001")
+    _wait_updates(browser, 3)
+    time.sleep(1)
+    assert _paired(browser) == [] and browser.find_element("id", "paired-none").is_displayed()
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
 
 
 def test_unknown_run_is_a_clear_404(dashboard: str) -> None:
