@@ -3,7 +3,8 @@ only, no workbench import.
 
 usage: python benchmarks/llama_cpp_score.py DIR
 DIR holds windows.json ({"windows": [[token ids], ...]}) and one folder per variant with
-model.gguf; writes llama.json (per-window mean NLL in nats, top-1 predictions) and
+model.gguf; writes llama.json (per-window mean NLL in nats, top-1 predictions, how many of the
+texts llama.cpp tokenizes into the given ids, the GGUF's pre-tokenizer name) and
 llama_logits.npy (float16 logits of the first windows, as many as ours_logits.npy holds) into
 each variant's folder.
 """
@@ -26,7 +27,8 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 def main() -> int:
     root = Path(sys.argv[1])
-    windows = json.loads((root / "windows.json").read_text())["windows"]
+    held_out = json.loads((root / "windows.json").read_text())
+    windows, texts = held_out["windows"], held_out.get("texts", [])
     for folder in sorted(p for p in root.iterdir() if (p / "model.gguf").is_file()):
         kept = np.load(folder / "ours_logits.npy").shape[0]
         started = time.perf_counter()
@@ -49,9 +51,16 @@ def main() -> int:
             if i < kept:
                 logits.append(scores.astype(np.float16))
         np.save(folder / "llama_logits.npy", np.stack(logits))
-        (folder / "llama.json").write_text(
-            json.dumps({"nll": nll, "top1": top1, "load_s": loaded, "engine": "llama.cpp"})
+        alike = sum(
+            llm.tokenize(t.encode(), add_bos=False, special=False) == ids for t, ids in texts
         )
+        pre = llm.metadata.get("tokenizer.ggml.pre")
+        (folder / "llama.json").write_text(
+            json.dumps(
+                {"nll": nll, "top1": top1, "load_s": loaded, "engine": "llama.cpp",
+                 "texts_alike": [alike, len(texts)], "pre": pre}
+            )
+        )  # fmt: skip
         print(f"{folder.name}: llama.cpp loaded in {loaded:.1f} s, scored {len(windows)} windows")
     return 0
 

@@ -9,7 +9,8 @@ puts every 2-D weight in one type (F32, F16, BF16, Q8_0, Q4_0, Q4_1: the types t
 package quantizes).
 Llama's q/k projections are permuted to GGML's interleaved rotary layout (the inverse of what
 transformers' GGUF loader undoes). The hyperparameters, the tokenizer (byte-level BPE as `gpt2`:
-tokens, token types, merges, special ids) and the chat template travel in the file's metadata.
+tokens, token types, merges, special ids, and the name of its pre-tokenizer's regex:
+`compress.gguf_pretokenizer`) and the chat template travel in the file's metadata.
 The round trip: transformers' GGUF loader (which the workbench uses to import GGUF bases) gives
 back exactly the GGML type's dequantization of each weight.
 """
@@ -22,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from compress.gguf_pretokenizer import UnknownPreTokenizer, pre_tokenizer_name
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -64,11 +67,17 @@ def write_gguf(
             raise GgufExportError(
                 f"--gguf-type: found {wanted!r}; allowed: {', '.join(GGUF_TYPES)}"
             )
+    tok = AutoTokenizer.from_pretrained(source)
+    backend = json.loads(tok.backend_tokenizer.to_str())
+    try:
+        pre = pre_tokenizer_name(backend)
+    except UnknownPreTokenizer as e:
+        raise GgufExportError(f"{source}: {e}") from None
     arch = gguf.MODEL_ARCH[config.model_type.upper()]
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     writer = gguf.GGUFWriter(str(out_file), config.model_type)
     _hyperparameters(writer, config, "/".join(sorted({rest, *types.values()})))
-    _tokenizer(writer, AutoTokenizer.from_pretrained(source))
+    _tokenizer(writer, tok, backend, pre)
     counts: dict[str, int] = {}
     for hf_name, tensor in state.items():
         if config.tie_word_embeddings and hf_name == "lm_head.weight":
@@ -139,10 +148,9 @@ def _hyperparameters(writer: Any, config: Any, gguf_type: str) -> None:
     writer.add_name(f"workbench export ({gguf_type})")
 
 
-def _tokenizer(writer: Any, tok: Any) -> None:
+def _tokenizer(writer: Any, tok: Any, backend: dict[str, Any], pre: str) -> None:
     """A byte-level BPE tokenizer as llama.cpp's `gpt2` model: tokens by id, control tokens
-    marked, merges, special ids, the chat template."""
-    backend = json.loads(tok.backend_tokenizer.to_str())
+    marked, merges, special ids, the pre-tokenizer's name, the chat template."""
     model = backend["model"]
     if model.get("type") != "BPE":
         raise GgufExportError(
@@ -157,7 +165,7 @@ def _tokenizer(writer: Any, tok: Any) -> None:
         int(i) for i, t in tok.added_tokens_decoder.items() if t.special
     }
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])

@@ -7,7 +7,9 @@ NLL (transformers on the variant, as the evals load it) and the GGUF export's (t
 GGUF loader), plus the variant's logits on the first windows.
 `python benchmarks/llama_cpp_score.py DIR` (llama.cpp's venv) scores the same windows.
 `python -m evals.gguf_check compare DIR` prints per variant: perplexity through each route,
-llama.cpp's perplexity over the variant's, KL(variant || llama.cpp) and top-1 agreement.
+llama.cpp's perplexity over the variant's, KL(variant || llama.cpp), top-1 agreement, and how
+many texts llama.cpp tokenizes into the variant's own ids (the windows are given as ids, so
+only this shows what a user typing text gets).
 `benchmarks/llama_cpp_check.sh` runs all three.
 """
 
@@ -30,8 +32,30 @@ KEPT_LOGITS = 4
 """Windows whose full logits are kept for the KL (a 49k vocabulary: 25 MB per window pair)."""
 
 
+TRICKY_TEXTS = [
+    "In 2024, 12345 items cost $3.50.",
+    "It's what they'll've done; HELLO'S World's",
+    "def f(x):\n    return x**2  # squared\n\n\n",
+    "  leading spaces and\ttabs\r\n",
+    "Ünïcödé café naïve 東京 🙂 3.14159 and 1,000,000",
+]
+"""Strings whose splitting depends on the pre-tokenizer's regex (contractions, digits, runs of
+spaces and newlines, non-ASCII)."""
+
+
+def corpus_texts() -> list[str]:
+    return [json.loads(line)["text"] for line in NAMED["corpus"]()["validation"].open()]
+
+
+def tokenization_cases(tokenizer: object, count: int = 32) -> list[tuple[str, list[int]]]:
+    """Texts (the tricky strings, then held-out corpus texts) and the variant's token ids for
+    them, without special tokens: llama.cpp must cut the same text into the same ids."""
+    texts = TRICKY_TEXTS + [t[:2000] for t in corpus_texts()[:count]]
+    return [(t, tokenizer(t, add_special_tokens=False).input_ids) for t in texts]  # type: ignore[operator]
+
+
 def held_out_windows(tokenizer: object, count: int, seq_len: int) -> list[list[int]]:
-    texts = [json.loads(line)["text"] for line in NAMED["corpus"]()["validation"].open()]
+    texts = corpus_texts()
     ids: list[int] = []
     for text in texts:
         ids += tokenizer(text).input_ids  # type: ignore[operator]
@@ -57,8 +81,10 @@ def prepare(out: Path, variants: list[Path], count: int, seq_len: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    windows = held_out_windows(AutoTokenizer.from_pretrained(variants[0]), count, seq_len)
-    (out / "windows.json").write_text(json.dumps({"windows": windows}))
+    tokenizer = AutoTokenizer.from_pretrained(variants[0])
+    windows = held_out_windows(tokenizer, count, seq_len)
+    texts = tokenization_cases(tokenizer)
+    (out / "windows.json").write_text(json.dumps({"windows": windows, "texts": texts}))
     for variant in variants:
         folder = out / variant.name
         if not (folder / "export.json").is_file():
@@ -79,9 +105,10 @@ def compare(out: Path) -> None:
     windows = json.loads((out / "windows.json").read_text())["windows"]
     print(
         "| variant | GGUF MB | ppl variant | ppl GGUF (transformers) | ppl GGUF (llama.cpp) | "
-        "llama.cpp / variant | KL(variant ‖ llama.cpp) | top-1 agreement |"
+        "llama.cpp / variant | KL(variant ‖ llama.cpp) | top-1 agreement | texts tokenized "
+        "alike |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for folder in sorted(p for p in out.iterdir() if (p / "llama.json").is_file()):
         ours = json.loads((folder / "ours.json").read_text())
         llama = json.loads((folder / "llama.json").read_text())
@@ -99,12 +126,18 @@ def compare(out: Path) -> None:
         size = (folder / GGUF_FILE).stat().st_size / 1e6
         print(
             f"| {folder.name} | {size:.0f} | {p_ours:.3f} | {p_gguf:.3f} | {p_llama:.3f} | "
-            f"{p_llama / p_ours:.4f} | {kl:.4f} | {agree:.1%} |"
+            f"{p_llama / p_ours:.4f} | {kl:.4f} | {agree:.1%} | {_alike(llama)} |"
         )
     print(
         f"({len(windows)} windows of {len(windows[0])} tokens; KL and agreement on the first "
         f"{KEPT_LOGITS})"
     )
+
+
+def _alike(llama: dict) -> str:
+    """How many texts llama.cpp cut into the variant's ids, with the GGUF's pre-tokenizer."""
+    texts = llama.get("texts_alike")
+    return f"{texts[0]} / {texts[1]} ({llama.get('pre')})" if texts else "not checked"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ cannot be written is refused naming why."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import gguf
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compress.export import ExportError, export, packed_weights
 from compress.gguf_export import GGUF_FILE
+from compress.gguf_pretokenizer import SPLIT_REGEXES, UnknownPreTokenizer, pre_tokenizer_name
 from compress.load_spec import read_load_spec
 from workbench.cli import main
 
@@ -62,6 +64,8 @@ def test_gguf_carries_the_tokenizer_and_chat_template(tiny_model_dir: Path, tmp_
     template = reader.fields["tokenizer.chat_template"]
     assert bytes(template.parts[-1]).decode() == ours.chat_template
     assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "llama"
+    # demo-tiny's tokenizer splits by GPT-2's byte-level regex: llama.cpp's `gpt-2`
+    assert bytes(reader.fields["tokenizer.ggml.pre"].parts[-1]).decode() == "gpt-2"
 
 
 @pytest.mark.parametrize("variant", ["rtn", "rtn-emb4"])
@@ -99,3 +103,75 @@ def test_gguf_type_errors(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
     assert "model.gguf" in printed and "F32 (GGUF)" in printed  # a float32 model: its dtype
     with pytest.raises(SystemExit):  # argparse: "invalid choice: 'q2_k'"
         main(["export", str(tiny_model_dir), "--format", "gguf", "--gguf-type", "q2_k"])
+
+
+def _backend(pre: object) -> dict:
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre
+    return json.loads(tok.to_str())
+
+
+def _split_then_bytes(regex: str) -> object:
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def test_gguf_names_the_pre_tokenizer_llama_cpp_splits_text_by() -> None:
+    from tokenizers import pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    digits = pre_tokenizers.Digits(individual_digits=True)
+    cases = {
+        "gpt-2": byte_level,
+        "smollm": pre_tokenizers.Sequence([digits, byte_level]),
+        **{name: _split_then_bytes(regex) for regex, name in SPLIT_REGEXES.items()},
+    }
+    assert set(cases) == {"gpt-2", "smollm", "llama-bpe", "qwen2"}
+    for name, pre in cases.items():
+        assert pre_tokenizer_name(_backend(pre)) == name
+
+
+@pytest.mark.parametrize(
+    "pre",
+    [
+        "leading_space_byte_level",
+        "metaspace",
+        "split_by_an_unknown_regex",
+        "digits_in_runs",
+    ],
+)
+def test_a_pre_tokenizer_llama_cpp_has_no_name_for_is_refused(pre: str) -> None:
+    from tokenizers import pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    built = {
+        "leading_space_byte_level": pre_tokenizers.ByteLevel(add_prefix_space=True),
+        "metaspace": pre_tokenizers.Metaspace(),
+        "split_by_an_unknown_regex": _split_then_bytes(r"\p{L}+|\p{N}{1,2}"),
+        "digits_in_runs": pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=False), byte_level]
+        ),
+    }[pre]
+    with pytest.raises(UnknownPreTokenizer, match=r"convert_hf_to_gguf\.py"):
+        pre_tokenizer_name(_backend(built))
+
+
+def test_an_export_whose_pre_tokenizer_has_no_name_writes_nothing(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["add_prefix_space"] = True
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ExportError, match=r"pre-tokenizer .* none of those llama\.cpp"):
+        export(model, "gguf", tmp_path / "out", None)
+    assert not (tmp_path / "out").exists()
