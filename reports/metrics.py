@@ -234,6 +234,7 @@ def registry(
     out = [
         Metric("variant", "variant", "text", None, "variant", short="variant"),
         Metric("steps", "steps", "text", None, "variant"),
+        Metric("serves_in", "serves in", "text", None, "variant"),
         *MEMORY,
     ]
     if reference is not None and len(measured) > 1:

@@ -27,6 +27,7 @@ from reports.metrics import KL, Metric, registry
 from reports.recommend import recommendation
 from reports.render import html_tables, markdown
 from reports.rows import add_recovery, pareto_front, variant_row
+from reports.serves_in import serves_in
 
 SCHEMA = 2
 
@@ -92,7 +93,11 @@ def build_report(
     tasks = settings.task_names()
     load_settings = settings.load.model_dump(mode="json") if settings.load else None
     measured = {v.name: measurements.of(v.name) for v in variants}
-    rows = [variant_row(v.name, v.manifest, measured[v.name]) for v in variants]
+    rows = [
+        variant_row(v.name, v.manifest, measured[v.name])
+        | {"serves_in": serves_in(v.path, v.manifest.kind)}
+        for v in variants
+    ]
     names = [v.name for v in variants]
     reference = reference_name(
         names, settings.divergence.reference if settings.divergence else None

@@ -273,6 +273,10 @@ def test_every_row_key_is_a_declared_metric_or_its_companion(small_run: Run) -> 
     unshown = {"kind", "trainable_parameters", "bytes_on_disk", "kv_tokens"}
     for v in report["variants"]:
         assert set(v["row"]) - columns - companions <= unshown, v["name"]
+    serves = {v["name"]: v["row"]["serves_in"] for v in report["variants"]}
+    assert serves["base"].endswith("llama.cpp (export --format gguf)")
+    assert serves["int8"] == "this engine; transformers (as stored)"  # bitsandbytes
+    assert "vLLM --enable-lora" in serves["shop-lora"]
     lengths = [str(n) for n in PROMPT_LENS]
     for family in (CAPACITY_RATE, P95_E2E, SATURATION):
         assert sorted(family.values(report["variants"][0]["row"])) == lengths

