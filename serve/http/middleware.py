@@ -8,14 +8,30 @@ never sees `http.disconnect` and a non-streaming request whose client left would
 from __future__ import annotations
 
 import hmac
+import re
 from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.http.protocol import error_body
+from serve.http.protocol import MAX_PROMPTS, error_body
 
 JSON = b"application/json"
+MAX_CONTAINERS = 8 * MAX_PROMPTS
+"""JSON arrays and objects a body may hold: room for every prompt as a token list, and for the
+messages, content parts, tools and schemas beside them. A body of many small lists costs its
+parse (0.2 s for 300,000, on the event loop, before any field is checked) whatever the
+routes then refuse, so it is refused unparsed."""
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: linear, runs in C
+
+
+def json_containers(body: bytes) -> int:
+    """The `[` and `{` of `body` outside JSON strings (a bound, not a parse: malformed JSON is
+    left to the parser)."""
+    if len(body) < 2 * MAX_CONTAINERS:  # too short to hold more
+        return 0
+    bare = _STRING.sub(b"", body)
+    return bare.count(b"[") + bare.count(b"{")
 
 
 def error_response(
@@ -31,7 +47,8 @@ def error_response(
 
 
 class BodyLimit:
-    """413 for a body over the limit, declared or streamed (chunked). The body is read here, up
+    """413 for a body over the limit, declared or streamed (chunked); 400 for one holding more
+    JSON containers than any request can use (`MAX_CONTAINERS`). The body is read here, up
     to the limit, and replayed to the app. A POST body without a JSON content type (curl's `-d`
     sends form encoding) is read as JSON, as vLLM does: every POST route here takes JSON."""
 
@@ -59,7 +76,14 @@ class BodyLimit:
                 return await self._too_large(scope, receive, send)
             if not message.get("more_body", False):
                 break
-        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        data = b"".join(chunks)
+        if (containers := json_containers(data)) > MAX_CONTAINERS:
+            problem = (
+                f"the request body holds {containers} JSON arrays and objects; at most "
+                f"{MAX_CONTAINERS} (at most {MAX_PROMPTS} prompts a request): split the request"
+            )
+            return await error_response(400, problem, "body")(scope, receive, send)
+        body = {"type": "http.request", "body": data, "more_body": False}
         await self.app(scope, _replay([body], receive), send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:

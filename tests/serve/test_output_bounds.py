@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from serve import LLM, SamplingParams
 from serve.core.config import CacheConfig
 from serve.core.sampling_params import OutputKind
 from serve.engine.async_engine import ReaderTooSlow
+from serve.http.middleware import MAX_CONTAINERS, json_containers
 from tests.serve.conftest import Case
 from tests.serve.server_util import start_thread_server
 from tests.serve.test_server import metrics
@@ -113,6 +115,33 @@ def test_a_reader_that_keeps_up_gets_the_whole_stream(
         with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=120) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: {")]
         assert '"completion_tokens": 300' in lines[-1]
+    finally:
+        s.stop()
+
+
+def test_json_containers_are_counted_outside_strings() -> None:
+    text = 'a [ { \\" [[ "quoted" {' * 4000  # brackets and escaped quotes inside one string
+    assert json_containers(json.dumps({"prompt": text, "stop": ["[", "{"]}).encode()) == 2
+    many = json.dumps({"prompt": [[5]] * 20_000}).encode()
+    assert json_containers(many) == 20_002 > MAX_CONTAINERS  # and the outer list and object
+
+
+def test_a_body_of_many_small_lists_is_refused_unparsed_on_every_route(
+    model_dirs: dict[str, Path],
+) -> None:
+    """The 300k-prompt body's class: its parse alone stalled the event loop 0.2 s, whatever the
+    route then refused; refused before parsing, on any POST route."""
+    s = start_thread_server(model_dirs["llama"])
+    try:
+        body = json.dumps({"model": "test-model", "prompt": [[5]] * 300_000}).encode()
+        for route in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+            r = httpx.post(f"{s.url}{route}", content=body, timeout=60)
+            assert r.status_code == 400, route
+            assert r.json()["error"]["message"].startswith(
+                "the request body holds 300002 JSON arrays and objects; at most"
+            )
+        ok = httpx.post(f"{s.url}/tokenize", json={"model": "test-model", "prompt": "a [b] {c}"})
+        assert ok.status_code == 200
     finally:
         s.stop()
 
