@@ -31,9 +31,7 @@ the calibration inputs for ours, the reference, and plain round-to-nearest of th
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import sys
 import time
 import types
@@ -41,15 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from reference_check import float_model_and_rows, parser, write  # benchmarks/
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from catalog.data import NAMED
 from compress.awq import AWQSettings, apply_awq
-from compress.calibration import Batch, CalibrationParams, calibration_rows, run_layerwise
+from compress.calibration import Batch, run_layerwise
 from compress.grids import rtn
 from compress.packed import PackedFormat
-from evals.step_bench import resolve_model
 
 FORMAT = PackedFormat(4, 128)
 STAND_INS = (
@@ -203,47 +199,28 @@ def compare_layer(ref: types.SimpleNamespace, layer: nn.Module, batch: Batch) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--reference", required=True, type=Path, help="AutoAWQ source tree")
-    parser.add_argument("--model", default="gemma3-270m", help="built-in name or model dir")
-    parser.add_argument("--layers", default="0,8,17", help="decoder layer indices")
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--out", default="reports/awq-reference.json")
-    args = parser.parse_args(argv)
+    cli = parser(__doc__, "AutoAWQ source tree", 16, "reports/awq-reference.json")
+    args = cli.parse_args(argv)
     if not (args.reference / "awq" / "quantize" / "quantizer.py").is_file():
-        parser.error(
+        cli.error(
             f"--reference: {args.reference} holds no awq/quantize/quantizer.py; unpack the "
             "autoawq 0.2.9 sdist and pass the directory that holds awq/"
         )
     ref = _reference(args.reference)
-    model_dir = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    rows = calibration_rows(
-        tokenizer, CalibrationParams(samples=args.samples, seq_len=args.seq_len), NAMED, 0
-    ).rows
+    model_dir, model, rows = float_model_and_rows(args)
     indices = [int(i) for i in args.layers.split(",")]
     inputs = _float_layer_inputs(model, rows, indices)
-    layers = model.model.layers
     results: dict[str, Any] = {}
     for index in indices:
-        results[str(index)] = r = compare_layer(ref, layers[index], inputs[index])
+        results[str(index)] = r = compare_layer(ref, model.model.layers[index], inputs[index])
         e = r["output_error"]
         print(
-            f"layer {index:2d}  norms and scaled linears equal {r['scaled_clipped_equal']}  weights equal "
-            f"{r['weights_equal']:.4%}  output error ours {e['ours']:.3e}  reference "
-            f"{e['reference']:.3e}  rtn {e['rtn']:.3e}  ({r['seconds']})",
+            f"layer {index:2d}  norms and scaled linears equal {r['scaled_clipped_equal']}  "
+            f"weights equal {r['weights_equal']:.4%}  output error ours {e['ours']:.3e}  "
+            f"reference {e['reference']:.3e}  rtn {e['rtn']:.3e}  ({r['seconds']})",
             flush=True,
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps({"model": str(model_dir), "format": "int4-g128 asym", **results}, indent=2)
-        + "\n"
-    )
-    print(f"wrote {args.out}")
+    write(args.out, {"model": str(model_dir), "format": "int4-g128 asym", **results})
     return 0
 
 

@@ -19,23 +19,19 @@ here (patched) on a CPU-only torch.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from reference_check import float_model_and_rows, parser, write  # benchmarks/
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from catalog.data import NAMED
-from compress.calibration import CalibrationParams, calibration_rows, decoder_layers
+from compress.calibration import decoder_layers
 from compress.gptq import GPTQSettings, Hessian, gptq
 from compress.grids import rtn
 from compress.packed import PackedFormat
-from evals.step_bench import resolve_model
 
 SETTINGS = {
     "int4-g128 act-order static-groups": (
@@ -158,33 +154,16 @@ def compare(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--reference", required=True, type=Path, help="IST-DASLab/gptq checkout")
-    parser.add_argument("--model", default="gemma3-270m", help="built-in name or model dir")
-    parser.add_argument("--layers", default="0,8,17", help="decoder layer indices")
-    parser.add_argument("--samples", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--out", default="reports/gptq-reference.json")
-    args = parser.parse_args(argv)
+    cli = parser(__doc__, "IST-DASLab/gptq checkout", 32, "reports/gptq-reference.json")
+    args = cli.parse_args(argv)
     if not (args.reference / "gptq.py").is_file() or not (args.reference / "quant.py").is_file():
-        parser.error(
+        cli.error(
             f"--reference: {args.reference} holds no gptq.py and quant.py; clone IST-DASLab/gptq"
         )
-    model_dir = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    rows = calibration_rows(
-        tokenizer, CalibrationParams(samples=args.samples, seq_len=args.seq_len), NAMED, 0
-    ).rows
+    model_dir, model, rows = float_model_and_rows(args)
     inputs = _inputs(model, rows, [int(i) for i in args.layers.split(",")])
     results = compare(model, inputs, _reference(args.reference))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps({"model": str(model_dir), "layers": args.layers, **results}, indent=2) + "\n"
-    )
-    print(f"wrote {args.out}")
+    write(args.out, {"model": str(model_dir), "layers": args.layers, **results})
     return 0
 
 
