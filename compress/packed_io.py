@@ -158,6 +158,10 @@ def _install_embeddings(
     _replace(model, name, embedding)
     if tied:  # the head reads the same codes: one copy in memory
         _replace(model, "lm_head", embedding.linear)
+        # tied already: transformers' `tie_weights()` (lm-eval's HFLM calls it) would look for
+        # a float `embed_tokens.weight` that the packed lookup does not have
+        model._tied_weights_keys = None
+        model.all_tied_weights_keys = {}
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from compress.load_spec import PACKED, load_model, read_load_spec
 from compress.packed import PackedEmbedding4, PackedEmbedding8, PackedLinear4, PackedLinear8
@@ -177,3 +178,26 @@ def test_a_refused_build_names_the_problem_and_leaves_nothing(case: str, tmp_pat
     with pytest.raises(error, match=message):
         Pipeline(recipe, ref, tmp_path / "work").run()
     assert not (tmp_path / "work" / "variants" / "q").exists()
+
+
+@pytest.mark.parametrize("name", ["rtn-emb4", "gptq8"])
+def test_a_packed_embedding_survives_tie_weights_as_lm_eval_calls_it(
+    built: dict[str, Path], name: str
+) -> None:
+    """quant-methods' gptq-g128-emb4 crashed lm-eval: HFLM calls `tie_weights()`, which looked
+    for the float `embed_tokens.weight` that a packed embedding does not have."""
+    from evals.continuation_lm import ContinuationLM
+
+    model = load_model(built[name])
+    tok = AutoTokenizer.from_pretrained(built[name])
+    ids = torch.tensor([[1, 50, 60, 70, 80]])
+    with torch.no_grad():
+        before = model(ids).logits
+    ContinuationLM(pretrained=model, tokenizer=tok, batch_size=1, max_length=64)  # tie_weights
+    model.tie_weights()
+    embedding = model.get_input_embeddings()
+    assert not isinstance(embedding, torch.nn.Embedding)
+    if model.config.tie_word_embeddings:
+        assert model.lm_head is embedding.linear
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
