@@ -69,10 +69,7 @@ def write_gguf(
             )
     tok = AutoTokenizer.from_pretrained(source)
     backend = json.loads(tok.backend_tokenizer.to_str())
-    try:
-        pre = pre_tokenizer_name(backend)
-    except UnknownPreTokenizer as e:
-        raise GgufExportError(f"{source}: {e}") from None
+    pre = _pre_tokenizer(source, backend)
     arch = gguf.MODEL_ARCH[config.model_type.upper()]
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     writer = gguf.GGUFWriter(str(out_file), config.model_type)
@@ -148,15 +145,27 @@ def _hyperparameters(writer: Any, config: Any, gguf_type: str) -> None:
     writer.add_name(f"workbench export ({gguf_type})")
 
 
-def _tokenizer(writer: Any, tok: Any, backend: dict[str, Any], pre: str) -> None:
-    """A byte-level BPE tokenizer as llama.cpp's `gpt2` model: tokens by id, control tokens
-    marked, merges, special ids, the pre-tokenizer's name, the chat template."""
-    model = backend["model"]
-    if model.get("type") != "BPE":
+def _pre_tokenizer(source: Path, backend: dict[str, Any]) -> str:
+    """llama.cpp's pre-tokenizer name for a BPE tokenizer; GgufExportError for any other
+    tokenizer, or a pre-tokenizer llama.cpp has no name for (checked before anything is
+    written)."""
+    kind = backend["model"].get("type")
+    if kind != "BPE":
         raise GgufExportError(
-            f"the tokenizer is {model.get('type')}, not byte-level BPE; this exporter writes "
+            f"the tokenizer is {kind}, not byte-level BPE; this exporter writes "
             "BPE tokenizers only: export as hf and convert with llama.cpp's converter"
         )
+    try:
+        return pre_tokenizer_name(backend)
+    except UnknownPreTokenizer as e:
+        raise GgufExportError(f"{source}: {e}") from None
+
+
+def _tokenizer(writer: Any, tok: Any, backend: dict[str, Any], pre: str) -> None:
+    """A byte-level BPE tokenizer (`_pre_tokenizer` checked it) as llama.cpp's `gpt2` model:
+    tokens by id, control tokens marked, merges, special ids, the pre-tokenizer's name, the
+    chat template."""
+    model = backend["model"]
     vocab = tok.get_vocab()
     tokens = [""] * (max(vocab.values()) + 1)
     for text, i in vocab.items():

@@ -175,3 +175,18 @@ def test_an_export_whose_pre_tokenizer_has_no_name_writes_nothing(
     with pytest.raises(ExportError, match=r"pre-tokenizer .* none of those llama\.cpp"):
         export(model, "gguf", tmp_path / "out", None)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_that_is_not_bpe_is_refused_as_such_before_its_pre_tokenizer(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    spec["model"] = {"type": "WordLevel", "vocab": vocab, "unk_token": next(iter(vocab))}
+    spec["pre_tokenizer"] = {"type": "Whitespace"}  # no llama.cpp name either: BPE is said first
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ExportError, match=r"the tokenizer is WordLevel, not byte-level BPE"):
+        export(model, "gguf", tmp_path / "out", None)
+    assert not (tmp_path / "out").exists()
