@@ -133,12 +133,18 @@ def reference_awq(
 
 
 @torch.no_grad()
-def our_awq(layer: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
-    apply_awq(layer, [batch], FORMAT, AWQSettings())
-    scaled = {n: w.clone() for n, w in _linears(layer).items()}
+def round_to_nearest(layer: nn.Module) -> None:
+    """Every linear of `layer` replaced by its 4-bit g128 round-to-nearest values."""
     for m in layer.modules():
         if isinstance(m, nn.Linear):
             m.weight.copy_(rtn(m.weight, FORMAT).dequantize())
+
+
+@torch.no_grad()
+def our_awq(layer: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+    apply_awq(layer, [batch], FORMAT, AWQSettings())
+    scaled = {n: w.clone() for n, w in _linears(layer).items()}
+    round_to_nearest(layer)
     return scaled
 
 
@@ -169,12 +175,11 @@ def compare_layer(ref: types.SimpleNamespace, layer: nn.Module, batch: Batch) ->
     ours_s = time.perf_counter() - started
     their_scaled = reference_awq(ref, theirs, batch)
     theirs_s = time.perf_counter() - started - ours_s
-    for m in plain.modules():
-        if isinstance(m, nn.Linear):
-            m.weight.data.copy_(rtn(m.weight, FORMAT).dequantize())
+    round_to_nearest(plain)
     equal = total = 0
+    their_weights = _linears(theirs)
     for name, a in _linears(ours).items():
-        b = _linears(theirs)[name]
+        b = their_weights[name]
         step = rtn(a, FORMAT).scales.repeat_interleave(FORMAT.group_size or 1, dim=1)
         equal += int(((a - b).abs() <= 1e-3 * step).sum())
         total += a.numel()
