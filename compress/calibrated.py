@@ -32,7 +32,7 @@ from compress.calibration import (
 from compress.data import check_data_in_context
 from compress.gptq import GPTQSettings, Hessian, check_settings, gptq
 from compress.grids import hqq, rtn
-from compress.packed import INT4_GROUP_SIZES, PackedFormat, Quantized
+from compress.packed import GROUP_SIZES, PackedFormat, Quantized
 from compress.packed_io import PackedModel
 from compress.registry import StepContext, StepError, StepParams
 
@@ -58,8 +58,10 @@ class PackedParams(StepParams):
 
     bits: Literal[4, 8] = 4
     group_size: Literal[32, 64, 128, 256] | None = 128
-    """4-bit: input features per scale and zero point; must be absent (null) for 8-bit, which
-    is per output channel."""
+    """Input features per scale and zero point. 4-bit: required (128 when absent). 8-bit: per
+    output channel when absent or null (torch's int8 kernel, bfloat16 compute on the CPU); a
+    group size stores Q8_0-like groups, dequantized per call (float32 compute: more accurate,
+    slower)."""
     embeddings: Embeddings = "keep"
     """The input embedding (and a tied lm_head): kept in float, int8 per row, or int4 in groups
     (`int4`: of 32)."""
@@ -68,15 +70,17 @@ class PackedParams(StepParams):
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
     """Linear layers to keep in float."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _per_channel_int8_by_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("bits") == 8 and "group_size" not in data:
+            return {**data, "group_size": None}
+        return data
+
     @model_validator(mode="after")
     def _format_fits(self) -> PackedParams:
-        if self.bits == 8 and self.group_size is not None:
-            raise ValueError(
-                "group_size: 8-bit weights are per output channel; remove group_size "
-                "(or write `group_size: null`)"
-            )
         if self.bits == 4 and self.group_size is None:
-            raise ValueError(f"group_size: 4-bit needs one of {list(INT4_GROUP_SIZES)}")
+            raise ValueError(f"group_size: 4-bit needs one of {list(GROUP_SIZES)}")
         return self
 
     @property

@@ -8,9 +8,12 @@ fitted one) alike.
 - int4 (`group_size` 32 / 64 / 128 / 256) runs through torch's int4 CPU kernel
   (`_weight_int4pack_mm_for_cpu`: weight `(q - 8) * s + m`, so `m = (8 - z) * s`), the weight
   staying 4-bit in memory.
-- int8 is per output channel (`group_size` None) and runs through torch's int8 kernel
+- int8 per output channel (`group_size` None) runs through torch's int8 kernel
   (`_weight_int8pack_mm`) on `q - 128`, plus `x.sum(-1) * (128 - z) * s` when `z` is not 128.
-- NOTE: on the CPU both compute in bfloat16 (activations cast in, the output cast back, scales
+  int8 in groups (32 .. 256: llama.cpp's Q8_0 is symmetric groups of 32), which no torch kernel
+  runs, is dequantized per call in the activations' dtype (float32 on the CPU, so no bfloat16
+  rounding: the accurate int8, not the fast one), a bounded slice of rows at a time.
+- NOTE: on the CPU both kernels compute in bfloat16 (activations cast in, the output cast back, scales
   rounded to bfloat16), whatever the model's dtype: torch's float32 paths of these kernels
   are not vectorised (measured: 40x slower than bfloat16 at 2,048 rows). torchao's int4 CPU
   tensor (the `int4-wo` method) does the same. The engine and `generate` run the same modules;
@@ -34,7 +37,10 @@ from torch import nn
 
 from compress.int4pack import find_layout
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)
+GROUP_SIZES = (32, 64, 128, 256)
+DEQUANTIZE_CHUNK = 1 << 22
+"""Weights dequantized at once by a grouped int8 linear (16 MiB of float32): bounds the
+temporary a large matrix (a 262k-row head) would otherwise need in full."""
 KERNEL_DTYPE = torch.bfloat16
 """What the CPU kernels compute in (see the NOTE above)."""
 
@@ -46,7 +52,7 @@ class PackedFormat:
     bits: int
     """4 or 8."""
     group_size: int | None
-    """Input features per scale and zero point (int4); None: one per output row (int8)."""
+    """Input features per scale and zero point; None: one per output row (int8 only)."""
 
     @property
     def name(self) -> str:
@@ -58,14 +64,15 @@ class PackedFormat:
 
     @classmethod
     def parse(cls, name: str) -> PackedFormat:
-        """`int4-g32` .. `int4-g256`, or `int8`."""
+        """`int4-g32` .. `int4-g256`, `int8` (per channel) or `int8-g32` .. `int8-g256`."""
         if name == "int8":
             return cls(8, None)
         bits, _, group = name.partition("-g")
-        if bits == "int4" and group.isdigit() and int(group) in INT4_GROUP_SIZES:
-            return cls(4, int(group))
+        if bits in ("int4", "int8") and group.isdigit() and int(group) in GROUP_SIZES:
+            return cls(int(bits[3:]), int(group))
         raise ValueError(
-            f"unknown packed format {name!r}; use int8 or int4-g32, int4-g64, int4-g128, int4-g256"
+            f"unknown packed format {name!r}; use int8 (per channel), int8-g32 .. int8-g256, "
+            "or int4-g32, int4-g64, int4-g128, int4-g256"
         )
 
 
@@ -161,7 +168,8 @@ class PackedLinear4(nn.Module):
 
 
 class PackedLinear8(nn.Module):
-    """int8 weight per output channel, float activations."""
+    """int8 weight per output channel (torch's kernel on the CPU) or in groups (dequantized per
+    call in the activations' dtype), float activations."""
 
     q_signed: torch.Tensor
     scales: torch.Tensor
@@ -170,24 +178,49 @@ class PackedLinear8(nn.Module):
     def __init__(self, qw: Quantized, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = qw.q.shape
-        self.kernel = qw.q.device.type == "cpu"
-        compute = KERNEL_DTYPE if self.kernel else dtype
+        self.groups = qw.scales.shape[1]
+        self.kernel = qw.q.device.type == "cpu" and self.groups == 1
         self.register_buffer("q_signed", (qw.q.int() - 128).to(torch.int8), persistent=False)
-        self.register_buffer("scales", qw.scales[:, 0].to(compute), persistent=False)
-        offset = ((128 - qw.zeros[:, 0]) * qw.scales[:, 0]).to(compute)
+        offset = (128 - qw.zeros) * qw.scales
+        if self.groups == 1:
+            compute = KERNEL_DTYPE if self.kernel else dtype
+            self.register_buffer("scales", qw.scales[:, 0].to(compute), persistent=False)
+            offset = offset[:, 0].to(compute)
+        else:  # float32 scales and offsets, cast to the activations' dtype per call
+            self.register_buffer("scales", qw.scales.clone(), persistent=False)
         self.register_buffer("offset", offset if offset.any() else None, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
-        if self.kernel:
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.q_signed, self.scales)
+        if self.groups > 1:
+            y = self._grouped(x)
         else:
-            y = F.linear(flat, self.q_signed.to(flat.dtype) * self.scales[:, None])
-        if self.offset is not None:
-            y = y + flat.sum(-1, keepdim=True) * self.offset
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
+            if self.kernel:
+                y = torch.ops.aten._weight_int8pack_mm(flat, self.q_signed, self.scales)
+            else:
+                y = F.linear(flat, self.q_signed.to(flat.dtype) * self.scales[:, None])
+            if self.offset is not None:
+                y = y + flat.sum(-1, keepdim=True) * self.offset
+            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        rows = max(1, DEQUANTIZE_CHUNK // self.in_features)
+        parts = [
+            F.linear(x, self.weight_rows(slice(a, a + rows), x.dtype))
+            for a in range(0, self.out_features, rows)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def weight_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
+        """Grouped weight rows `rows` dequantized in `dtype`: `q_signed * s + (128 - z) * s`."""
+        q = self.q_signed[rows]
+        grouped = q.reshape(q.shape[0], self.groups, -1).to(dtype)
+        w = grouped * self.scales[rows, :, None].to(dtype)
+        if self.offset is not None:
+            w = w + self.offset[rows, :, None].to(dtype)
+        return w.reshape(q.shape)
 
 
 class PackedEmbedding8(nn.Module):

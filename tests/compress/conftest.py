@@ -21,6 +21,7 @@ variants:
   - {{name: hqq, steps: [{{quantize: {{method: hqq, group_size: 64}}}}]}}
   - {{name: gptq, steps: [{{quantize: {{method: gptq, group_size: 32, {CAL}}}}}]}}
   - {{name: gptq8, steps: [{{quantize: {{method: gptq, bits: 8, group_size: null, act_order: true, embeddings: int8, {CAL}}}}}]}}
+  - {{name: gptq8-g32, steps: [{{quantize: {{method: gptq, bits: 8, group_size: 32, sym: true, act_order: true, static_groups: true, {CAL}}}}}]}}
   - {{name: awq, steps: [{{quantize: {{method: awq, group_size: 32, {CAL}}}}}]}}
   - name: mixed
     steps: [{{quantize: {{method: mixed, budget: {{bits_per_weight: 6.0}}, candidates: [int4-g32, int4-g64, int8], quantizer: gptq, scan: {{samples: 4, seq_len: 64}}, {CAL}}}}}]

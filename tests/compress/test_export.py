@@ -23,7 +23,7 @@ from compress.export import ExportError, export, packed_weights
 from compress.load_spec import load_model, read_load_spec
 from workbench.cli import main
 
-CT_EXPORTABLE = ("rtn", "rtn-sym", "rtn-emb4", "gptq", "gptq8", "awq", "mixed")
+CT_EXPORTABLE = ("rtn", "rtn-sym", "rtn-emb4", "gptq", "gptq8", "gptq8-g32", "awq", "mixed")
 
 
 def _logits(path: Path, rows: torch.Tensor, dequantize: bool = False) -> torch.Tensor:
@@ -70,7 +70,7 @@ def test_compressed_tensors_export_loads_in_transformers_as_the_variant(
             assert {formats[t] for t in group["targets"]} == {fmt}, name
         assert sum(len(v) for v in info["schemes"].values()) == len(formats)
         symmetric = all(g["weights"]["symmetric"] for g in quant["config_groups"].values())
-        assert symmetric == (name == "rtn-sym"), name
+        assert symmetric == (name in ("rtn-sym", "gptq8-g32")), name
         expected = _logits(hf, rows)
         assert read_load_spec(ct).format == "hf-quantized"
         with torch.no_grad():

@@ -68,12 +68,12 @@ def test_gguf_carries_the_tokenizer_and_chat_template(tiny_model_dir: Path, tmp_
     assert bytes(reader.fields["tokenizer.ggml.pre"].parts[-1]).decode() == "gpt-2"
 
 
-@pytest.mark.parametrize("variant", ["rtn", "rtn-emb4"])
+@pytest.mark.parametrize("variant", ["rtn", "rtn-emb4", "gptq8-g32"])
 def test_packed_variant_exports_its_dequantized_codes_or_is_refused_by_architecture(
     built: dict[str, Path], tmp_path: Path, variant: str
 ) -> None:
-    """On the tiny Llama: the 4-bit linears (and a 4-bit embedding) as Q4_1 and the float rest
-    as F32, exactly the formats' dequantization of the variant's weights. On the tiny Gemma 3:
+    """On the tiny Llama: the 4-bit linears (and a 4-bit embedding) as Q4_1, grouped int8 as
+    Q8_0, and the float rest as F32, exactly the formats' dequantization of the variant's weights. On the tiny Gemma 3:
     refused, naming what is written, and nothing left behind."""
     source = built[variant]
     if json.loads((source / "config.json").read_text())["model_type"] != "llama":
@@ -82,7 +82,8 @@ def test_packed_variant_exports_its_dequantized_codes_or_is_refused_by_architect
         assert not (tmp_path / "out").exists()
         return
     info = export(source, "gguf", tmp_path / "out")
-    assert info["gguf_type"] == "f32/q4_1"  # its 4-bit linears; what it kept float stays so
+    coded = "q8_0" if variant == "gptq8-g32" else "q4_1"
+    assert info["gguf_type"] == f"f32/{coded}"  # its quantized linears; the float rest stays so
     state, codes = packed_weights(read_load_spec(source))
     quantized = {f"{n}.weight" for n in codes}
     dense = {**state, **{f"{n}.weight": q.dequantize() for n, q in codes.items()}}
@@ -90,7 +91,7 @@ def test_packed_variant_exports_its_dequantized_codes_or_is_refused_by_architect
     assert quantized and ("model.embed_tokens.weight" in quantized) == (variant == "rtn-emb4")
     for name, weight in dense.items():
         if name in loaded:
-            kind = "q4_1" if name in quantized else "f32"
+            kind = coded if name in quantized else "f32"
             assert torch.equal(loaded[name].float(), _format_roundtrip(weight, kind)), name
 
 

@@ -50,6 +50,40 @@ def test_int8_module_equals_the_dequantized_matmul(weight: torch.Tensor, sym: bo
     torch.testing.assert_close(module(x), x @ qw.dequantize().t(), rtol=2e-2, atol=0.25)
 
 
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("group", [32, 128])
+def test_grouped_int8_module_is_the_dequantized_matmul_in_float32(
+    weight: torch.Tensor, group: int, sym: bool
+) -> None:
+    """No kernel runs int8 in groups: the weight is dequantized per call in the activations'
+    dtype, so a float32 model gets float32 products (no bfloat16 rounding)."""
+    qw = rtn(weight, PackedFormat(8, group), sym=sym)
+    bias = torch.randn(48)
+    module = PackedLinear8(qw, bias, torch.float32)
+    assert not module.kernel and module.groups == 256 // group
+    assert (module.offset is None) == sym
+    assert module.q_signed.dtype == torch.int8  # one byte a weight at rest
+    x = torch.randn(2, 7, 256)
+    torch.testing.assert_close(module(x), x @ qw.dequantize().t() + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_int8_dequantizes_a_bounded_slice_at_a_time(
+    weight: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 262k-row tied head would need its whole float weight at once; slices of rows give
+    the same products."""
+    qw = rtn(weight, PackedFormat(8, 32))
+    module = PackedLinear8(qw, None, torch.float32)
+    x = torch.randn(3, 256)
+    whole = module(x)
+    monkeypatch.setattr("compress.packed.DEQUANTIZE_CHUNK", 256 * 5)  # 5 rows, 10 slices
+    sliced: list[int] = []
+    rows = module.weight_rows
+    module.weight_rows = lambda r, dtype: sliced.append(r.start) or rows(r, dtype)  # type: ignore[method-assign]
+    torch.testing.assert_close(module(x), whole, rtol=1e-5, atol=1e-5)  # summed in other blocks
+    assert sliced == list(range(0, 48, 5))
+
+
 def test_the_kernels_compute_in_bfloat16_whatever_the_model_dtype(weight: torch.Tensor) -> None:
     """float32 and bfloat16 models give the same products: both run the bfloat16 kernels."""
     x = torch.randn(3, 256)
@@ -137,6 +171,8 @@ def test_codes_round_trip_through_storage(bits: int) -> None:
 def test_format_names() -> None:
     assert PackedFormat.parse("int4-g128") == PackedFormat(4, 128)
     assert PackedFormat.parse("int8").bits_per_weight() == 8.0
+    assert PackedFormat.parse("int8-g32") == PackedFormat(8, 32)
+    assert PackedFormat.parse("int8-g128").bits_per_weight() == 8.5
     assert PackedFormat(4, 32).bits_per_weight() == 6.0  # two float32 per 32 weights
     with pytest.raises(ValueError, match="unknown packed format 'int4-g48'"):
         PackedFormat.parse("int4-g48")
@@ -170,7 +206,11 @@ def test_hqq_equals_the_reference_library(weight: torch.Tensor) -> None:
 def test_packed_modules_on_cuda_dequantize_per_call(weight: torch.Tensor) -> None:
     """Off the CPU the packed layers dequantize in the model's dtype (correct, not fast)."""
     x = torch.randn(4, 256)
-    for cls, fmt in ((PackedLinear4, PackedFormat(4, 64)), (PackedLinear8, PackedFormat(8, None))):
+    for cls, fmt in (
+        (PackedLinear4, PackedFormat(4, 64)),
+        (PackedLinear8, PackedFormat(8, None)),
+        (PackedLinear8, PackedFormat(8, 32)),
+    ):
         qw = rtn(weight, fmt)
         on_gpu = type(qw)(qw.q.cuda(), qw.scales.cuda(), qw.zeros.cuda())
         module = cls(on_gpu, None, torch.float32)

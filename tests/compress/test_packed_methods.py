@@ -40,13 +40,17 @@ def kl_to_base(built: dict[str, Path], name: str) -> float:
 
 def test_artifacts_load_packed_and_smaller(built: dict[str, Path]) -> None:
     base_bytes = memory_bytes(load_model(built["base"]))
-    for name in ("rtn", "hqq", "gptq", "awq", "gptq8", "mixed"):
+    for name in ("rtn", "hqq", "gptq", "awq", "gptq8", "gptq8-g32", "mixed"):
         spec = read_load_spec(built[name])
-        assert spec.format == "packed" and spec.scheme == name.rstrip("8")
+        assert spec.format == "packed" and spec.scheme == name.split("8")[0]
         model = load_model(built[name])
         kinds = {type(m) for m in model.modules()}
         assert kinds & {PackedLinear4, PackedLinear8}, name
         assert memory_bytes(model) < base_bytes, name
+    grouped = load_model(built["gptq8-g32"])
+    assert set(read_load_spec(built["gptq8-g32"]).module_formats.values()) == {"int8-g32"}
+    linears = [m for m in grouped.modules() if isinstance(m, PackedLinear8)]
+    assert linears and all(m.groups > 1 and not m.kernel and m.offset is None for m in linears)
     gptq8 = load_model(built["gptq8"])
     assert isinstance(gptq8.get_input_embeddings(), PackedEmbedding8)
     if gptq8.config.tie_word_embeddings:  # tied (demo-tiny): the head reads the same int8 codes
@@ -81,7 +85,7 @@ def test_manifest_records_settings_calibration_and_time(built: dict[str, Path]) 
 
 def test_engine_equals_generate_on_every_packed_format(built: dict[str, Path]) -> None:
     cases = make_cases(8, seed=7, vocab=500, max_prompt=80, max_out=24)
-    for name in ("rtn", "hqq", "gptq8", "mixed", "rtn-emb4"):
+    for name in ("rtn", "hqq", "gptq8", "gptq8-g32", "mixed", "rtn-emb4"):
         reference = reference_outputs(built[name], cases)
         engine = make_engine(built[name], num_blocks=24, budget=64)
         assert_equal(run(engine, cases), reference, list(range(len(cases))))
@@ -116,9 +120,9 @@ def test_mixed_plan_within_budget_and_built_as_planned(built: dict[str, Path]) -
 
 
 BAD = {
-    "int8_with_groups": (
-        "{method: rtn, bits: 8, group_size: 128}",
-        "group_size: 8-bit weights are per output channel",
+    "int8_with_a_group_no_kernel_reads": (
+        "{method: rtn, bits: 8, group_size: 48}",
+        "group_size",
     ),
     "act_order_without_static_groups": (
         "{method: gptq, group_size: 32, act_order: true}",
@@ -139,6 +143,16 @@ BAD = {
         "no such file",
     ),
 }
+
+
+def test_int8_is_per_channel_unless_a_group_size_is_given() -> None:
+    from compress.calibrated import RTNParams
+    from compress.packed import PackedFormat
+
+    assert RTNParams(method="rtn", bits=8).format == PackedFormat(8, None)
+    assert RTNParams(method="rtn", bits=8, group_size=None).format == PackedFormat(8, None)
+    assert RTNParams(method="rtn", bits=8, group_size=32).format == PackedFormat(8, 32)
+    assert RTNParams(method="rtn").format == PackedFormat(4, 128)
 
 
 @pytest.mark.parametrize("case", list(BAD))
