@@ -43,7 +43,8 @@ class Family:
         return f"{self.prefix}{setting}"
 
     def owns(self, key: str) -> bool:
-        return key.startswith(self.prefix)
+        """A key of this family's figures (not one of their standard errors)."""
+        return key.startswith(self.prefix) and not key.endswith(stderr_key(""))
 
     def values(self, row: dict[str, Any]) -> dict[str, Any]:
         """{setting: value} of this family's keys in `row` (None values kept)."""

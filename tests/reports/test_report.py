@@ -14,6 +14,7 @@ from catalog import ensure_demo_model
 from evals.quality import TaskRequest, evaluate_model, summarize
 from reports.metrics import (
     CAPACITY_RATE,
+    KL,
     P95_E2E,
     SATURATION,
     bits_per_byte_key,
@@ -338,6 +339,9 @@ def test_divergence_and_chat_answers_of_every_variant(small_run: Run) -> None:
     # the adapter moved the shop log's distribution more than int8 did
     assert rows["shop-lora"]["kl_shift"] > rows["int8"]["kl_shift"]
     assert rows["shop-lora"]["agree_shift"] < 1
+    # a family reads its figures per data set, not their standard errors beside them
+    assert rows["int8"]["kl_corpus_stderr"] > 0
+    assert set(KL.values(rows["int8"])) == {"corpus", "shift"}
     base_ppl = report["variants"][0]["quality"]["divergence"]["data"]["corpus"]["perplexity"]
     assert rows["base"]["ppl_corpus"] == base_ppl
     for v in report["variants"][1:]:
