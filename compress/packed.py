@@ -13,8 +13,8 @@ fitted one) alike.
   int8 in groups (32 .. 256: llama.cpp's Q8_0 is symmetric groups of 32), which no torch kernel
   runs, is dequantized per call in the activations' dtype (float32 on the CPU, so no bfloat16
   rounding: the accurate int8, not the fast one), a bounded slice of rows at a time.
-- NOTE: on the CPU both kernels compute in bfloat16 (activations cast in, the output cast back, scales
-  rounded to bfloat16), whatever the model's dtype: torch's float32 paths of these kernels
+- NOTE: on the CPU both kernels compute in bfloat16 (activations cast in, the output cast back,
+  scales rounded to bfloat16), whatever the model's dtype: torch's float32 paths of these kernels
   are not vectorised (measured: 40x slower than bfloat16 at 2,048 rows). torchao's int4 CPU
   tensor (the `int4-wo` method) does the same. The engine and `generate` run the same modules;
   the tests' models stay token-exact, but the kernels' bf16 rounding can depend on how many rows
@@ -272,6 +272,8 @@ class PackedEmbedding4(nn.Module):
 def packed_embedding(
     fmt: PackedFormat, qw: Quantized, dtype: torch.dtype, embed_scale: torch.Tensor | None
 ) -> PackedEmbedding4 | PackedEmbedding8:
+    if fmt.bits == 8 and fmt.group_size is not None:
+        raise ValueError(f"an embedding is int8 per row or int4 in groups, not {fmt.name}")
     return (PackedEmbedding4 if fmt.bits == 4 else PackedEmbedding8)(qw, dtype, embed_scale)
 
 

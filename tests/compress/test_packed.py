@@ -16,6 +16,7 @@ from compress.packed import (
     PackedLinear4,
     PackedLinear8,
     pack_codes,
+    packed_embedding,
     unpack_codes,
 )
 
@@ -93,6 +94,13 @@ def test_the_kernels_compute_in_bfloat16_whatever_the_model_dtype(weight: torch.
         y32 = cls(qw, None, torch.float32)(x)
         assert y16.dtype == torch.bfloat16 and y32.dtype == torch.float32
         torch.testing.assert_close(y32, y16.float(), rtol=0, atol=0)
+
+
+def test_an_embedding_in_int8_groups_is_refused(weight: torch.Tensor) -> None:
+    """Its lookup reads one scale per row: a stored manifest naming int8 groups is refused."""
+    qw = rtn(weight, PackedFormat(8, 32))
+    with pytest.raises(ValueError, match="not int8-g32"):
+        packed_embedding(PackedFormat(8, 32), qw, torch.float32, None)
 
 
 def test_int8_embedding_reads_rows_and_keeps_the_embed_scale(weight: torch.Tensor) -> None:
