@@ -168,8 +168,39 @@ class PackedLinear4(nn.Module):
 
 
 class PackedLinear8(nn.Module):
-    """int8 weight per output channel (torch's kernel on the CPU) or in groups (dequantized per
-    call in the activations' dtype), float activations."""
+    """int8 weight per output channel, float activations."""
+
+    q_signed: torch.Tensor
+    scales: torch.Tensor
+    offset: torch.Tensor | None
+
+    def __init__(self, qw: Quantized, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qw.q.shape
+        self.kernel = qw.q.device.type == "cpu"
+        compute = KERNEL_DTYPE if self.kernel else dtype
+        self.register_buffer("q_signed", (qw.q.int() - 128).to(torch.int8), persistent=False)
+        self.register_buffer("scales", qw.scales[:, 0].to(compute), persistent=False)
+        offset = ((128 - qw.zeros[:, 0]) * qw.scales[:, 0]).to(compute)
+        self.register_buffer("offset", offset if offset.any() else None, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
+        if self.kernel:
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.q_signed, self.scales)
+        else:
+            y = F.linear(flat, self.q_signed.to(flat.dtype) * self.scales[:, None])
+        if self.offset is not None:
+            y = y + flat.sum(-1, keepdim=True) * self.offset
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class PackedLinear8Grouped(nn.Module):
+    """int8 weight in groups of input features, float activations: no torch kernel runs it, so
+    the weight is dequantized per call in the activations' dtype, `DEQUANTIZE_CHUNK` weights at
+    a time."""
 
     q_signed: torch.Tensor
     scales: torch.Tensor
@@ -179,42 +210,23 @@ class PackedLinear8(nn.Module):
         super().__init__()
         self.out_features, self.in_features = qw.q.shape
         self.groups = qw.scales.shape[1]
-        self.kernel = qw.q.device.type == "cpu" and self.groups == 1
         self.register_buffer("q_signed", (qw.q.int() - 128).to(torch.int8), persistent=False)
+        self.register_buffer("scales", qw.scales.clone(), persistent=False)  # float32
         offset = (128 - qw.zeros) * qw.scales
-        if self.groups == 1:
-            compute = KERNEL_DTYPE if self.kernel else dtype
-            self.register_buffer("scales", qw.scales[:, 0].to(compute), persistent=False)
-            offset = offset[:, 0].to(compute)
-        else:  # float32 scales and offsets, cast to the activations' dtype per call
-            self.register_buffer("scales", qw.scales.clone(), persistent=False)
         self.register_buffer("offset", offset if offset.any() else None, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.groups > 1:
-            y = self._grouped(x)
-        else:
-            flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
-            if self.kernel:
-                y = torch.ops.aten._weight_int8pack_mm(flat, self.q_signed, self.scales)
-            else:
-                y = F.linear(flat, self.q_signed.to(flat.dtype) * self.scales[:, None])
-            if self.offset is not None:
-                y = y + flat.sum(-1, keepdim=True) * self.offset
-            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
-
-    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         rows = max(1, DEQUANTIZE_CHUNK // self.in_features)
         parts = [
             F.linear(x, self.weight_rows(slice(a, a + rows), x.dtype))
             for a in range(0, self.out_features, rows)
         ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return y if self.bias is None else y + self.bias
 
     def weight_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
-        """Grouped weight rows `rows` dequantized in `dtype`: `q_signed * s + (128 - z) * s`."""
+        """Weight rows `rows` dequantized in `dtype`: `q_signed * s + (128 - z) * s`."""
         q = self.q_signed[rows]
         grouped = q.reshape(q.shape[0], self.groups, -1).to(dtype)
         w = grouped * self.scales[rows, :, None].to(dtype)
@@ -280,4 +292,6 @@ def packed_embedding(
 def packed_module(
     fmt: PackedFormat, qw: Quantized, bias: torch.Tensor | None, dtype: torch.dtype
 ) -> nn.Module:
-    return (PackedLinear4 if fmt.bits == 4 else PackedLinear8)(qw, bias, dtype)
+    if fmt.bits == 4:
+        return PackedLinear4(qw, bias, dtype)
+    return (PackedLinear8Grouped if fmt.group_size else PackedLinear8)(qw, bias, dtype)

@@ -15,6 +15,7 @@ from compress.packed import (
     PackedFormat,
     PackedLinear4,
     PackedLinear8,
+    PackedLinear8Grouped,
     pack_codes,
     packed_embedding,
     unpack_codes,
@@ -60,8 +61,8 @@ def test_grouped_int8_module_is_the_dequantized_matmul_in_float32(
     dtype, so a float32 model gets float32 products (no bfloat16 rounding)."""
     qw = rtn(weight, PackedFormat(8, group), sym=sym)
     bias = torch.randn(48)
-    module = PackedLinear8(qw, bias, torch.float32)
-    assert not module.kernel and module.groups == 256 // group
+    module = PackedLinear8Grouped(qw, bias, torch.float32)
+    assert module.groups == 256 // group
     assert (module.offset is None) == sym
     assert module.q_signed.dtype == torch.int8  # one byte a weight at rest
     x = torch.randn(2, 7, 256)
@@ -74,7 +75,7 @@ def test_grouped_int8_dequantizes_a_bounded_slice_at_a_time(
     """A 262k-row tied head would need its whole float weight at once; slices of rows give
     the same products."""
     qw = rtn(weight, PackedFormat(8, 32))
-    module = PackedLinear8(qw, None, torch.float32)
+    module = PackedLinear8Grouped(qw, None, torch.float32)
     x = torch.randn(3, 256)
     whole = module(x)
     monkeypatch.setattr("compress.packed.DEQUANTIZE_CHUNK", 256 * 5)  # 5 rows, 10 slices
@@ -217,12 +218,12 @@ def test_packed_modules_on_cuda_dequantize_per_call(weight: torch.Tensor) -> Non
     for cls, fmt in (
         (PackedLinear4, PackedFormat(4, 64)),
         (PackedLinear8, PackedFormat(8, None)),
-        (PackedLinear8, PackedFormat(8, 32)),
+        (PackedLinear8Grouped, PackedFormat(8, 32)),
     ):
         qw = rtn(weight, fmt)
         on_gpu = type(qw)(qw.q.cuda(), qw.scales.cuda(), qw.zeros.cuda())
         module = cls(on_gpu, None, torch.float32)
-        assert not module.kernel
+        assert cls is PackedLinear8Grouped or not module.kernel  # no kernel at all
         torch.testing.assert_close(
             module(x.cuda()).cpu(), x @ qw.dequantize().t(), rtol=1e-4, atol=1e-3
         )

@@ -14,7 +14,13 @@ import torch
 from transformers import AutoTokenizer
 
 from compress.load_spec import PACKED, load_model, read_load_spec
-from compress.packed import PackedEmbedding4, PackedEmbedding8, PackedLinear4, PackedLinear8
+from compress.packed import (
+    PackedEmbedding4,
+    PackedEmbedding8,
+    PackedLinear4,
+    PackedLinear8,
+    PackedLinear8Grouped,
+)
 from compress.registry import StepError
 from evals.artifact_eval import memory_bytes
 from tests.serve.conftest import make_cases, reference_outputs
@@ -45,12 +51,13 @@ def test_artifacts_load_packed_and_smaller(built: dict[str, Path]) -> None:
         assert spec.format == "packed" and spec.scheme == name.split("8")[0]
         model = load_model(built[name])
         kinds = {type(m) for m in model.modules()}
-        assert kinds & {PackedLinear4, PackedLinear8}, name
+        assert kinds & {PackedLinear4, PackedLinear8, PackedLinear8Grouped}, name
         assert memory_bytes(model) < base_bytes, name
     grouped = load_model(built["gptq8-g32"])
     assert set(read_load_spec(built["gptq8-g32"]).module_formats.values()) == {"int8-g32"}
-    linears = [m for m in grouped.modules() if isinstance(m, PackedLinear8)]
-    assert linears and all(m.groups > 1 and not m.kernel and m.offset is None for m in linears)
+    assert not any(isinstance(m, PackedLinear8) for m in grouped.modules())
+    linears = [m for m in grouped.modules() if isinstance(m, PackedLinear8Grouped)]
+    assert linears and all(m.groups > 1 and m.offset is None for m in linears)
     gptq8 = load_model(built["gptq8"])
     assert isinstance(gptq8.get_input_embeddings(), PackedEmbedding8)
     if gptq8.config.tie_word_embeddings:  # tied (demo-tiny): the head reads the same int8 codes
