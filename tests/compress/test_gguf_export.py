@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -73,8 +74,8 @@ def test_packed_variant_exports_its_dequantized_codes_or_is_refused_by_architect
     built: dict[str, Path], tmp_path: Path, variant: str
 ) -> None:
     """On the tiny Llama: the 4-bit linears (and a 4-bit embedding) as Q4_1, grouped int8 as
-    Q8_0, and the float rest as F32, exactly the formats' dequantization of the variant's weights. On the tiny Gemma 3:
-    refused, naming what is written, and nothing left behind."""
+    Q8_0, and the float rest as F32, exactly the formats' dequantization of the variant's
+    weights. On the tiny Gemma 3: refused, naming what is written, and nothing left behind."""
     source = built[variant]
     if json.loads((source / "config.json").read_text())["model_type"] != "llama":
         with pytest.raises(ExportError, match=r"gemma3_text model cannot be written as GGUF"):
@@ -165,14 +166,23 @@ def test_a_pre_tokenizer_llama_cpp_has_no_name_for_is_refused(pre: str) -> None:
         pre_tokenizer_name(_backend(built))
 
 
-def test_an_export_whose_pre_tokenizer_has_no_name_writes_nothing(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
+def _with_tokenizer(tiny_model_dir: Path, tmp_path: Path, edit: Callable[[dict], None]) -> Path:
+    """A copy of the tiny model whose tokenizer.json `edit` (spec -> None) changed."""
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     spec = json.loads((model / "tokenizer.json").read_text())
-    spec["pre_tokenizer"]["add_prefix_space"] = True
+    edit(spec)
     (model / "tokenizer.json").write_text(json.dumps(spec))
+    return model
+
+
+def test_an_export_whose_pre_tokenizer_has_no_name_writes_nothing(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    def leading_space(spec: dict) -> None:
+        spec["pre_tokenizer"]["add_prefix_space"] = True
+
+    model = _with_tokenizer(tiny_model_dir, tmp_path, leading_space)
     with pytest.raises(ExportError, match=r"pre-tokenizer .* none of those llama\.cpp"):
         export(model, "gguf", tmp_path / "out", None)
     assert not (tmp_path / "out").exists()
@@ -181,13 +191,12 @@ def test_an_export_whose_pre_tokenizer_has_no_name_writes_nothing(
 def test_a_tokenizer_that_is_not_bpe_is_refused_as_such_before_its_pre_tokenizer(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, model)
-    spec = json.loads((model / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    spec["model"] = {"type": "WordLevel", "vocab": vocab, "unk_token": next(iter(vocab))}
-    spec["pre_tokenizer"] = {"type": "Whitespace"}  # no llama.cpp name either: BPE is said first
-    (model / "tokenizer.json").write_text(json.dumps(spec))
+    def word_level(spec: dict) -> None:
+        vocab = spec["model"]["vocab"]
+        spec["model"] = {"type": "WordLevel", "vocab": vocab, "unk_token": next(iter(vocab))}
+        spec["pre_tokenizer"] = {"type": "Whitespace"}  # no llama.cpp name either: BPE first
+
+    model = _with_tokenizer(tiny_model_dir, tmp_path, word_level)
     with pytest.raises(ExportError, match=r"the tokenizer is WordLevel, not byte-level BPE"):
         export(model, "gguf", tmp_path / "out", None)
     assert not (tmp_path / "out").exists()
