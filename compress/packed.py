@@ -167,23 +167,39 @@ class PackedLinear4(nn.Module):
         return out.reshape(*ids.shape, self.in_features)
 
 
-class PackedLinear8(nn.Module):
-    """int8 weight per output channel, float activations."""
+class _Int8Linear(nn.Module):
+    """int8 codes as signed `q - 128`, with scales `s` and offsets `(128 - z) * s` (None when
+    every zero point is 128) in whatever shape the subclass reads them."""
 
     q_signed: torch.Tensor
     scales: torch.Tensor
     offset: torch.Tensor | None
 
-    def __init__(self, qw: Quantized, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        qw: Quantized,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        scales: torch.Tensor,
+        offset: torch.Tensor,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = qw.q.shape
-        self.kernel = qw.q.device.type == "cpu"
-        compute = KERNEL_DTYPE if self.kernel else dtype
         self.register_buffer("q_signed", (qw.q.int() - 128).to(torch.int8), persistent=False)
-        self.register_buffer("scales", qw.scales[:, 0].to(compute), persistent=False)
-        offset = ((128 - qw.zeros[:, 0]) * qw.scales[:, 0]).to(compute)
+        self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("offset", offset if offset.any() else None, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+
+class PackedLinear8(_Int8Linear):
+    """int8 weight per output channel, float activations."""
+
+    def __init__(self, qw: Quantized, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        kernel = qw.q.device.type == "cpu"
+        compute = KERNEL_DTYPE if kernel else dtype
+        offset = (128 - qw.zeros[:, 0]) * qw.scales[:, 0]
+        super().__init__(qw, bias, dtype, qw.scales[:, 0].to(compute), offset.to(compute))
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
@@ -197,24 +213,14 @@ class PackedLinear8(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class PackedLinear8Grouped(nn.Module):
+class PackedLinear8Grouped(_Int8Linear):
     """int8 weight in groups of input features, float activations: no torch kernel runs it, so
     the weight is dequantized per call in the activations' dtype, `DEQUANTIZE_CHUNK` weights at
-    a time."""
-
-    q_signed: torch.Tensor
-    scales: torch.Tensor
-    offset: torch.Tensor | None
+    a time. Scales and offsets stay float32 [out, groups]."""
 
     def __init__(self, qw: Quantized, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.out_features, self.in_features = qw.q.shape
+        super().__init__(qw, bias, dtype, qw.scales.clone(), (128 - qw.zeros) * qw.scales)
         self.groups = qw.scales.shape[1]
-        self.register_buffer("q_signed", (qw.q.int() - 128).to(torch.int8), persistent=False)
-        self.register_buffer("scales", qw.scales.clone(), persistent=False)  # float32
-        offset = (128 - qw.zeros) * qw.scales
-        self.register_buffer("offset", offset if offset.any() else None, persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = max(1, DEQUANTIZE_CHUNK // self.in_features)
