@@ -33,7 +33,7 @@ def demo_model_dir(name: str) -> Path:
 def ensure_demo_model(name: str = "demo") -> Path:
     """The built model dir for a named spec, building it first when it is missing."""
     final = demo_model_dir(name)
-    announce = f"building the offline demo model [bold]{name}[/] into {final} (first use only)"
+    announce = f"building the offline demo model {name} into {final} (first use only)"
     return build_once(final, BUILD_INFO, lambda tmp: build(SPECS[name], tmp), announce)
 
 

@@ -129,7 +129,7 @@ def gguf_model_dir(path: Path) -> Path:
 def ensure_gguf_model(path: Path) -> Path:
     """The converted HF model dir for a GGUF file, converting it first when missing."""
     final = gguf_model_dir(path)
-    announce = f"converting [bold]{path.name}[/] into {final} (first use only)"
+    announce = f"converting {path.name} into {final} (first use only)"
     return build_once(final, GGUF_INFO, lambda tmp: convert_gguf(path, tmp), announce)
 
 
