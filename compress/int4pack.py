@@ -8,7 +8,8 @@ block's rows), two rows per byte. Which two depends on the CPU build: vectorised
 `d` with row `d + 16` (AVX2) or rows `d, d + 32` and `d + 16, d + 48` (AVX-512) in full blocks;
 scalar builds and short blocks pair neighbours. The layout is not part of torch's API, so it is
 found by packing a probe and checking each candidate; when none fits, `find_layout` returns
-None and the caller keeps its own copy of the codes.
+None and the caller keeps its own copy of the codes. `unpack` reads whole blocks of rows at
+once (the dequantized matmul of `compress.packed`), `codes` any rows (embedding lookups).
 """
 
 from __future__ import annotations
@@ -39,6 +40,27 @@ class Layout:
         index = start[:, None] + torch.arange(k, device=rows.device)[None, :] * (nb // 2)[:, None]
         return (packed.reshape(-1)[index] >> shift[:, None].to(torch.uint8)) & 0xF
 
+    def unpack(self, packed: torch.Tensor, n: int, k: int, start: int, stop: int) -> torch.Tensor:
+        """The uint8 codes [stop - start, k] of rows `start` .. `stop` (`start` a multiple of
+        `block_n`): full blocks by reshaping their bytes, a short last block by `codes`."""
+        bn = self.block_n
+        full_stop = min(stop, n // bn * bn)
+        out = []
+        if full_stop > start:
+            blocks = (full_stop - start) // bn
+            at = start * k // 2
+            grid = packed.reshape(-1)[at : at + blocks * k * bn // 2].reshape(blocks, k, bn // 2)
+            low, high = grid & 0xF, grid >> 4
+            if self.interleaved:  # a block's first half of rows in low nibbles, the rest high
+                rows = torch.cat([low, high], dim=2)
+            else:  # neighbours: even rows low, odd rows high
+                rows = torch.stack([low, high], dim=3).reshape(blocks, k, bn)
+            out.append(rows.transpose(1, 2).reshape(blocks * bn, k))
+        if stop > max(full_stop, start):
+            tail = torch.arange(max(full_stop, start), stop, device=packed.device)
+            out.append(self.codes(packed, tail, n, k))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
 
 CANDIDATES = (Layout(64, True), Layout(32, True), Layout(32, False), Layout(64, False))
 
@@ -52,6 +74,7 @@ def find_layout() -> Layout | None:
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     rows = torch.arange(n)
     for layout in CANDIDATES:
-        if torch.equal(layout.codes(packed, rows, n, k).int(), codes):
+        read = layout.codes(packed, rows, n, k).int()
+        if torch.equal(read, codes) and torch.equal(layout.unpack(packed, n, k, 0, n).int(), codes):
             return layout
     return None

@@ -10,6 +10,7 @@ import torch
 from compress.grids import hqq, rtn
 from compress.int4pack import CANDIDATES, Layout, find_layout
 from compress.packed import (
+    DEQUANTIZE_ROWS,
     PackedEmbedding4,
     PackedEmbedding8,
     PackedFormat,
@@ -81,7 +82,7 @@ def test_grouped_int8_dequantizes_a_bounded_slice_at_a_time(
     monkeypatch.setattr("compress.packed.DEQUANTIZE_CHUNK", 256 * 5)  # 5 rows, 10 slices
     sliced: list[int] = []
     rows = module.weight_rows
-    module.weight_rows = lambda r, dtype: sliced.append(r.start) or rows(r, dtype)  # type: ignore[method-assign]
+    module.weight_rows = lambda a, b, dtype: sliced.append(a) or rows(a, b, dtype)  # type: ignore[method-assign]
     torch.testing.assert_close(module(x), whole, rtol=1e-5, atol=1e-5)  # summed in other blocks
     assert sliced == list(range(0, 48, 5))
 
@@ -95,6 +96,72 @@ def test_the_kernels_compute_in_bfloat16_whatever_the_model_dtype(weight: torch.
         y32 = cls(qw, None, torch.float32)(x)
         assert y16.dtype == torch.bfloat16 and y32.dtype == torch.float32
         torch.testing.assert_close(y32, y16.float(), rtol=0, atol=0)
+
+
+def _kernel_rows(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The module on `x` a few rows per call: the kernels' own products."""
+    return torch.cat([module(part) for part in x.split(8)])
+
+
+def _bfloat16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 steps apart two tensors of bfloat16 values are."""
+    step = torch.maximum(a.abs(), b.abs()).clamp(min=1e-30).log2().floor().exp2() / 128
+    return ((a - b).abs() / step).round()
+
+
+@pytest.mark.parametrize(
+    "fmt", [PackedFormat(4, 32), PackedFormat(4, 128), PackedFormat(8, None)], ids=str
+)
+@pytest.mark.parametrize("sym", [True, False])
+def test_a_prefill_sized_call_dequantizes_and_gives_the_kernels_numbers(
+    fmt: PackedFormat, sym: bool
+) -> None:
+    """From `DEQUANTIZE_ROWS` rows a call is a float32 matmul of the dequantized weight, with the
+    kernels' bfloat16 scales and their rounding of activations and output: the kernels' products
+    up to float32 summation order, so nearly every output is the same bfloat16 value and none is
+    more than one bfloat16 step away."""
+    torch.manual_seed(2)
+    weight = torch.randn(208, 256)  # 208 rows: six full int4 blocks of 32 and a short one
+    qw = rtn(weight, fmt, sym=sym) if fmt.bits == 8 else rtn(weight, fmt)
+    cls = PackedLinear4 if fmt.bits == 4 else PackedLinear8
+    module = cls(qw, None, torch.float32)
+    x = torch.randn(DEQUANTIZE_ROWS + 5, 256)
+    calls: list[int] = []
+    rows = module.weight_rows
+    module.weight_rows = lambda a, b: calls.append(a) or rows(a, b)  # type: ignore[method-assign]
+    y = module(x)
+    assert calls == [0]  # dequantized once, whole (208 x 256 weights: one slice)
+    kernel = _kernel_rows(module, x)
+    assert calls == [0]  # 8-row calls ran the kernel
+    ulps = _bfloat16_ulps(y, kernel)
+    assert ulps.max() <= 1 and float((ulps == 0).float().mean()) > 0.99
+    torch.testing.assert_close(y, x @ qw.dequantize().t(), rtol=2e-2, atol=0.25)
+    bias = torch.randn(208)
+    module.bias = torch.nn.Parameter(bias, requires_grad=False)
+    assert torch.equal(module(x), y + bias)
+
+
+@pytest.mark.parametrize("readable_layout", [True, False], ids=["kernel-codes", "own-copy"])
+def test_int4_dequantizes_whole_blocks_a_bounded_slice_at_a_time(
+    readable_layout: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 262k-row tied head is dequantized in slices of whole kernel blocks (or of any rows
+    when the codes are the module's own copy): the same products as in one slice."""
+    if not readable_layout:
+        monkeypatch.setattr("compress.packed.find_layout", lambda: None)
+    torch.manual_seed(3)
+    qw = rtn(torch.randn(208, 256), PackedFormat(4, 64))
+    module = PackedLinear4(qw, None, torch.float32)
+    x = torch.randn(DEQUANTIZE_ROWS, 256)
+    whole = module(x)
+    monkeypatch.setattr("compress.packed.DEQUANTIZE_CHUNK", 256 * 70)  # 70 rows a slice
+    calls: list[tuple[int, int]] = []
+    rows = module.weight_rows
+    module.weight_rows = lambda a, b: calls.append((a, b)) or rows(a, b)  # type: ignore[method-assign]
+    torch.testing.assert_close(module(x), whole, rtol=0, atol=0)
+    block = module.layout.block_n if readable_layout else 1
+    step = 70 // block * block
+    assert calls == [(a, min(a + step, 208)) for a in range(0, 208, step)]
 
 
 def test_an_embedding_in_int8_groups_is_refused(weight: torch.Tensor) -> None:
@@ -139,6 +206,18 @@ def test_int4pack_rows_read_back_in_every_builds_layout(layout: Layout) -> None:
     packed = _pack_as(layout, codes)
     rows = torch.tensor([0, 15, 16, 31, 32, 47, 63, 64, 127, 128, 175, 5, 5])
     assert torch.equal(layout.codes(packed, rows, *codes.shape), codes[rows])
+
+
+@pytest.mark.parametrize("layout", CANDIDATES, ids=str)
+def test_int4pack_whole_blocks_unpack_in_every_builds_layout(layout: Layout) -> None:
+    torch.manual_seed(1)
+    codes = torch.randint(0, 16, (64 * 2 + 48, 8), dtype=torch.uint8)  # a short last block
+    packed = _pack_as(layout, codes)
+    n, k = codes.shape
+    assert torch.equal(layout.unpack(packed, n, k, 0, n), codes)
+    bn = layout.block_n
+    for start, stop in ((bn, n), (0, bn), (bn, 2 * bn), (2 * bn, n)):
+        assert torch.equal(layout.unpack(packed, n, k, start, stop), codes[start:stop])
 
 
 def test_this_torch_builds_int4pack_layout_is_found_and_matches_the_model() -> None:
