@@ -3,7 +3,10 @@
 `python -m evals.quant_bench DIR [DIR ...]` runs the same greedy workload (`--requests`
 prompts of `--prompt-len` random tokens, `--max-tokens` outputs each, all submitted at once) on
 the engine for every variant dir, round after round (A B C A B C), and prints output tokens/s
-per variant with its median ratio to the first dir.
+per variant with its median ratio to the first dir. `--kernels-at-every-size` also runs each
+dir with torch's int4 / int8 CPU kernels at every call size (`NAME:kernels`; by default calls of
+`compress.packed.DEQUANTIZE_ROWS` rows or more are dequantized float32 matmuls), the same engine
+and weights, so the two are compared in one run.
 """
 
 from __future__ import annotations
@@ -11,23 +14,42 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from compress import packed
 from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 
 
-def tokens_per_second(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> float:
+def tokens_per_second(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, float]:
+    """Output and total (prompt + output) tokens per second of one batch run to completion."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    return len(prompts) * max_tokens / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    out = len(prompts) * max_tokens
+    return out / seconds, (out + sum(map(len, prompts))) / seconds
+
+
+def _run(
+    system: tuple[LLMEngine, int], prompts: list[list[int]], max_tokens: int
+) -> tuple[float, float]:
+    engine, dequantize_rows = system
+    default = packed.DEQUANTIZE_ROWS
+    packed.DEQUANTIZE_ROWS = dequantize_rows
+    try:
+        return tokens_per_second(engine, prompts, max_tokens)
+    finally:
+        packed.DEQUANTIZE_ROWS = default
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,34 +61,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--kernels-at-every-size",
+        action="store_true",
+        help="also run each dir with the int4 / int8 CPU kernels at every call size",
+    )
     args = parser.parse_args(argv)
     rng = random.Random(0)
     prompts = [
         [rng.randrange(10, 500) for _ in range(args.prompt_len)] for _ in range(args.requests)
     ]
-    engines = {
-        d.name: LLMEngine(
+    systems: dict[str, tuple[LLMEngine, int]] = {}
+    for d in args.dirs:
+        engine = LLMEngine(
             ModelConfig(str(d), dtype="float32", device="cpu"),
             CacheConfig(num_blocks=1024),
-            SchedulerConfig(max_num_seqs=args.requests),
+            # every round prefills its prompts again: no KV reused across rounds
+            SchedulerConfig(max_num_seqs=args.requests, enable_prefix_caching=False),
         )
-        for d in args.dirs
-    }
-    for engine in engines.values():
-        tokens_per_second(engine, prompts[:2], 4)  # warm-up
-    speeds: dict[str, list[float]] = {name: [] for name in engines}
+        systems[d.name] = (engine, packed.DEQUANTIZE_ROWS)
+        if args.kernels_at_every_size:
+            systems[f"{d.name}:kernels"] = (engine, sys.maxsize)
+    for system in systems.values():
+        _run(system, prompts[:2], 4)  # warm-up
+    speeds: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
     for r in range(args.rounds):
-        for name, engine in engines.items():
-            speeds[name].append(tokens_per_second(engine, prompts, args.max_tokens))
-            print(f"round {r + 1} {name:>12}: {speeds[name][-1]:8.1f} output tok/s", flush=True)
-    first = next(iter(speeds))
+        for name, system in systems.items():
+            speeds[name].append(_run(system, prompts, args.max_tokens))
+            out, total = speeds[name][-1]
+            print(
+                f"round {r + 1} {name:>20}: {out:8.1f} output, {total:8.1f} total tok/s", flush=True
+            )
     print(
         f"threads={torch.get_num_threads()} requests={args.requests} prompt={args.prompt_len} out={args.max_tokens}"
     )
+    first = next(iter(speeds))
     for name, values in speeds.items():
-        ratios = [v / b for v, b in zip(values, speeds[first])]
+        ratios = [v[0] / b[0] for v, b in zip(values, speeds[first])]
         print(
-            f"{name:>12}: median {statistics.median(values):8.1f} tok/s, x{statistics.median(ratios):.2f} "
+            f"{name:>20}: median {statistics.median(v[0] for v in values):8.1f} output tok/s "
+            f"({statistics.median(v[1] for v in values):.1f} total), x{statistics.median(ratios):.2f} "
             f"of {first} (min {min(ratios):.2f}, max {max(ratios):.2f})"
         )
     return 0
