@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel
 
+from compress.load_spec import load_model
 from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 
@@ -195,10 +196,9 @@ def engine_for(
 
 
 def load_baseline_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """transformers' own model with SDPA attention: the baseline of the engine benchmarks."""
-    return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation="sdpa"
-    ).eval()
+    """transformers' own model with SDPA attention: the baseline of the engine benchmarks (a
+    packed variant with its packed modules, as the engine loads it)."""
+    return load_model(model_dir, dtype=dtype, attn_implementation="sdpa")
 
 
 def concurrency_vs_contiguous(

@@ -19,8 +19,9 @@ import time
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from compress.load_spec import load_model
 from evals.quality import TaskRequest, run_tasks
 from evals.step_bench import resolve_model
 
@@ -50,13 +51,19 @@ def _answers(results: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
     return out
 
 
-def _agree(
+def _agreement(
     a: dict[str, list[tuple[float, float]]], b: dict[str, list[tuple[float, float]]]
-) -> bool:
-    return a.keys() == b.keys() and all(
-        len(a[t]) == len(b[t])
-        and all(abs(x - y) <= 1e-3 and p == q for (x, p), (y, q) in zip(a[t], b[t], strict=True))
-        for t in a
+) -> str:
+    """Whether every answer agrees (log-likelihoods within 1e-3 nats, accuracies equal), with
+    the largest log-likelihood difference and the number of answers whose accuracy differs."""
+    if a.keys() != b.keys() or any(len(a[t]) != len(b[t]) for t in a):
+        return "False (different requests)"
+    pairs = [(x, p, y, q) for t in a for (x, p), (y, q) in zip(a[t], b[t], strict=True)]
+    delta = max(abs(x - y) for x, _, y, _ in pairs)
+    changed = sum(p != q for _, p, _, q in pairs)
+    agree = delta <= 1e-3 and changed == 0
+    return (
+        f"{agree} (max |d log-lik| {delta:.1e} nats, accuracy changed on {changed} of {len(pairs)})"
     )
 
 
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+    model = load_model(model_dir, dtype=getattr(torch, args.dtype))  # packed variants too
     requests = [TaskRequest(t, limit=args.limit) for t in args.tasks.split(",")]
     seconds: dict[str, list[float]] = {name: [] for name in systems}
     answers: dict[str, Any] = {}
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name in systems:
         median = statistics.median(seconds[name])
-        agree = _agree(answers["hflm"], answers[name])
+        agree = _agreement(answers["hflm"], answers[name])
         print(
             f"  {name:12s} {median:7.1f} s  {hflm / median:.2f}x HFLM's speed  answers agree: {agree}"
         )
