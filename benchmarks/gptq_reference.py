@@ -73,10 +73,10 @@ def _inputs(model: Any, rows: torch.Tensor, layers: list[int]) -> dict[str, list
 
 def _reference(module_dir: Path) -> tuple[Any, Any]:
     sys.path.insert(0, str(module_dir))
-    import gptq as ref_gptq  # type: ignore[import-not-found]
-    import quant as ref_quant  # type: ignore[import-not-found]
+    import gptq as ref_gptq
+    import quant as ref_quant
 
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment,misc]
+    torch.cuda.synchronize = lambda *a, **k: None
     return ref_gptq, ref_quant
 
 

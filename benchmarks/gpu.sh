@@ -39,7 +39,7 @@ run() {
   nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
   python3 -m pytest -p no:cacheprovider -m gpu -o addopts="" tests/serve/test_cuda.py -ra \
     2>&1 | tee "$out/pytest.log"
-  python3 -m evals.step_bench --device cuda --rounds 3 \
+  python3 -m benchmarks.step_bench --device cuda --rounds 3 \
     --systems engine-bf16,engine-bf16-compile,generate-bf16 2>&1 | tee "$out/step_bench.txt"
 }
 

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.step_bench import resolve_model
 from catalog.data import NAMED
 from compress.calibration import CalibrationParams, calibration_rows
-from evals.step_bench import resolve_model
 
 
 def parser(doc: str | None, reference_help: str, samples: int, out: str) -> argparse.ArgumentParser:

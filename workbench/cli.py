@@ -200,7 +200,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from evals.engine_bench import main as bench_main
+    from benchmarks.engine_bench import main as bench_main
 
     return bench_main(args.args)
 

@@ -1,6 +1,6 @@
 """Prefill time of the engine per N prompt tokens, against SDPA fed 3-D tensors (the baseline).
 
-`python -m evals.prefill_bench [--model DIR] [--tokens 1024] [--rounds 6]`: one request of N
+`python -m benchmarks.prefill_bench [--model DIR] [--tokens 1024] [--rounds 6]`: one request of N
 tokens and one output token, run whole in one step (no prefix cache), alternating round by round
 between the engine's `SDPABackend` (4-D inputs: SDPA's fused CPU kernel) and the same backend
 with 3-D inputs (where SDPA falls back to its math path). Reports the median and range of each
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args(argv)
     if args.model is None:
-        from evals.engine_bench import default_llama_25m
+        from benchmarks.engine_bench import default_llama_25m
 
         args.model = default_llama_25m()
     llm = LLM(

@@ -1,6 +1,6 @@
 """Where a quantized variant's divergence comes from: its weights, or the kernels' compute dtype.
 
-`python -m evals.weight_error [--model gemma3-270m] [--cases bf16-linears,int8,int8-g32,...]
+`python -m benchmarks.weight_error [--model gemma3-270m] [--cases bf16-linears,int8,int8-g32,...]
 [--data corpus,shakespeare] [--windows 8] [--seq-len 256] [--out reports/weight-error.json]`
 
 Model: every case changes the float32 model's linears (not the embedding or the head) and is
@@ -28,11 +28,11 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.dtype_bench import held_out
+from benchmarks.step_bench import resolve_model
 from compress.grids import hqq, rtn
 from compress.packed import PackedFormat
 from evals.divergence import divergence, scored_bytes
-from evals.dtype_bench import held_out
-from evals.step_bench import resolve_model
 
 CASES = ("bf16-linears", "int8", "int8-g32", "int8-g128", "int4-g128", "hqq-g128", "gptq-int8")
 Weights = Callable[[torch.Tensor], torch.Tensor]

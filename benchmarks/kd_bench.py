@@ -1,7 +1,7 @@
 """Training-step time of distillation: the full-vocabulary KD loss (teacher run every step)
 against the top-k KD loss on windows already cached (teacher skipped) and on new windows.
 
-`python -m evals.kd_bench [--model smollm2] [--layers 24] [--top-k 64] [--batch-size 4]
+`python -m benchmarks.kd_bench [--model smollm2] [--layers 24] [--top-k 64] [--batch-size 4]
 [--seq-len 128] [--steps 4] [--rounds 3]`
 
 Model: one student (the teacher's `--layers` evenly kept), one AdamW step per batch, float32,
@@ -21,11 +21,11 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.step_bench import resolve_model
 from catalog.data import NAMED
 from compress.data import load_texts, token_rows
 from compress.distill import DistillParams, TopKD, _distill_loss, kept_layers, student_from
 from compress.kd_loss import TopKCache
-from evals.step_bench import resolve_model
 
 
 def _steps(

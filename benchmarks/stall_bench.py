@@ -2,7 +2,7 @@
 posted to the same server (issue: tokenizing a 3 MB prompt on the event loop stalled every
 stream for seconds).
 
-`python -m evals.stall_bench [--model DIR] [--megabytes 3] [--rounds 2] [--body text|prompts]`:
+`python -m benchmarks.stall_bench [--model DIR] [--megabytes 3] [--rounds 2] [--body text|prompts]`:
 serves the model on 127.0.0.1 (uvicorn in a thread, as `workbench serve` does), streams 480
 greedy tokens, posts the big body after the 20th chunk, and prints per round the longest gap
 between chunks from then on, the median gap, and how long the big request took to be answered.

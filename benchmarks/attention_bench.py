@@ -1,6 +1,6 @@
 """Paged decode attention candidates at the engine's decode shapes, one layer, same inputs.
 
-`python -m evals.attention_bench [--sequences 64] [--min-len 50] [--max-len 260] [--rounds 20]`
+`python -m benchmarks.attention_bench [--sequences 64] [--min-len 50] [--max-len 260] [--rounds 20]`
 
 Shapes of the 25M Llama (8 heads, 4 KV heads, head dim 64, KV blocks of 8), float32, each
 sequence's blocks scattered at random over the pool. Candidates:

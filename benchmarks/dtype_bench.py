@@ -1,9 +1,9 @@
 """The engine in bfloat16 against float32 on the CPU: speed and quality, so a user can choose.
 
-`python -m evals.dtype_bench [--model smollm2] [--data corpus,shakespeare] [--windows 32]
+`python -m benchmarks.dtype_bench [--model smollm2] [--data corpus,shakespeare] [--windows 32]
 [--prompts 32] [--max-tokens 64] [--rounds 2] [--out reports/dtype-bench.json]`
 
-- Speed: decode step at 1/16/64 sequences and prefill of 1,024 tokens (`evals.step_bench`),
+- Speed: decode step at 1/16/64 sequences and prefill of 1,024 tokens (`benchmarks.step_bench`),
   float32 and bfloat16 engines alternating round by round.
 - Next-token quality: the bfloat16 model against the float32 one on the same held-out windows
   (`evals.divergence`: mean KL, top-1 agreement, both perplexities, with standard errors over
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.step_bench import measure, resolve_model
 from evals.divergence import divergence, scored_bytes
-from evals.step_bench import measure, resolve_model
 from serve.core.config import SchedulerConfig
 from serve.core.sampling_params import SamplingParams
 from serve.engine.llm import LLM

@@ -1,6 +1,6 @@
 """Serving speed of quantized variants against their base, in one process, alternating rounds.
 
-`python -m evals.quant_bench DIR [DIR ...]` runs the same greedy workload (`--requests`
+`python -m benchmarks.quant_bench DIR [DIR ...]` runs the same greedy workload (`--requests`
 prompts of `--prompt-len` random tokens, `--max-tokens` outputs each, all submitted at once) on
 the engine for every variant dir, round after round (A B C A B C), and prints output tokens/s
 per variant with its median ratio to the first dir. `--kernels-at-every-size` also runs each

@@ -1,7 +1,7 @@
 """Structured-output cost: what a grammar costs per step, and what free requests in the same
 batch pay for it.
 
-`python -m evals.grammar_bench [--model DIR] [--requests 16] [--constrained 16] [--rounds 3]`:
+`python -m benchmarks.grammar_bench [--model DIR] [--requests 16] [--constrained 16] [--rounds 3]`:
 in one engine, alternating round by round, runs
   (a) `--requests` free greedy requests beside `--constrained` JSON-schema-constrained ones, and
   (b) the same free requests beside as many unconstrained twins of the constrained ones (same

@@ -273,8 +273,8 @@ def bench_model(
 
 def step_times(model_dir: Path, rounds: int, log: Callable[[str], None]) -> dict:
     """Median ms of a decode step at 1/16/64 sequences and of a 1,024-token prefill, engine and
-    `generate` side by side (`evals.step_bench`)."""
-    from evals.step_bench import measure
+    `generate` side by side (`benchmarks.step_bench`)."""
+    from benchmarks.step_bench import measure
 
     cells = measure(model_dir, ["engine", "generate"], rounds, 128, 1024, log)
     return {c.name: {s: statistics.median(v) * 1000 for s, v in c.times.items()} for c in cells}
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import os
 
-    from evals.step_bench import resolve_model
+    from benchmarks.step_bench import resolve_model
     from serve.model.host_memory import keep_freed_memory
 
     parser = argparse.ArgumentParser(prog="workbench bench-engine", description=__doc__)

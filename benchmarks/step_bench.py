@@ -1,7 +1,7 @@
 """Per-step times of the engine's configurations and of transformers' `generate`, side by side:
 a decode step at 1, 16 and 64 running sequences, and the prefill of 1,024 prompt tokens.
 
-`python -m evals.step_bench [--model DIR|demo|llama-25m|smollm2] [--systems engine,sdpa,generate]
+`python -m benchmarks.step_bench [--model DIR|demo|llama-25m|smollm2] [--systems engine,sdpa,generate]
 [--rounds 3] [--context 128] [--device cpu|cuda]`
 
 Engine systems: engine (defaults), engine-bf16, engine-compile and engine-bf16-compile
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from evals.engine_bench import default_llama_25m, load_baseline_model
+from benchmarks.engine_bench import default_llama_25m, load_baseline_model
 from serve.core.config import AttentionBackend, CacheConfig, Dtype, ModelConfig, SchedulerConfig
 from serve.core.sampling_params import SamplingParams
 from serve.engine.llm_engine import LLMEngine

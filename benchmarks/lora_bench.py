@@ -1,7 +1,7 @@
 """Multi-LoRA serving cost, in one process: throughput over 0 / 1 / 4 / 16 distinct adapters,
 adapter load latency, and inter-token latency during a burst of loads.
 
-`python -m evals.lora_bench [--model DIR|demo|llama-25m|smollm2] [--targets all|attention]`
+`python -m benchmarks.lora_bench [--model DIR|demo|llama-25m|smollm2] [--targets all|attention]`
 (default: the demo model, all 7 linear layers of a block) makes 16 rank-16 PEFT adapters, then runs the same 64 greedy requests with their adapters spread
 round-robin over 0 (base only), 1, 4 and 16 adapters, alternating round by round, on an engine
 with 16 adapter slots. Loads are timed as the server does them: read and check off the engine
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    from evals.step_bench import resolve_model
+    from benchmarks.step_bench import resolve_model
 
     args.model = resolve_model(args.model)
     scratch = Path(tempfile.mkdtemp(prefix="lora-bench-"))

@@ -1,7 +1,7 @@
 """What streaming clients that never read cost the server (issue 23: two of them, n = 8, 3,000
 tokens, logprobs 5, grew a server by 550 MB in 23 s).
 
-`python -m evals.reader_bench [--model DIR] [--clients 2] [--n 8] [--max-tokens 3000]
+`python -m benchmarks.reader_bench [--model DIR] [--clients 2] [--n 8] [--max-tokens 3000]
 [--seconds 23] [-- SERVER FLAGS]`: starts `python -m serve` on the model (a process of its own,
 so its memory is its own), reads its resident memory, opens the streams over raw sockets whose
 receive buffers are small and never read from them, and after `--seconds` reads the server's

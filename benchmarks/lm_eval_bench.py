@@ -1,7 +1,7 @@
 """lm-eval's HFLM against `ContinuationLM` and the engine (`EngineLM`) on the same model, tasks
 and documents.
 
-`python -m evals.lm_eval_bench [--model gemma3-270m] [--tasks hellaswag,arc_easy,piqa]
+`python -m benchmarks.lm_eval_bench [--model gemma3-270m] [--tasks hellaswag,arc_easy,piqa]
 [--limit 40] [--batch-size 16] [--max-length 512] [--rounds 2]
 [--systems hflm,continuation,engine] [--dtype float32]`
 
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from benchmarks.step_bench import resolve_model
 from compress.load_spec import load_model
 from evals.quality import TaskRequest, run_tasks
-from evals.step_bench import resolve_model
 
 
 def _system(name: str, model: Any, tokenizer: Any, model_dir: Any, args: Any) -> Any:
