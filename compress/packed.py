@@ -205,8 +205,9 @@ class PackedLinear4(nn.Module):
     def _dequantize(self, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         """`(codes - 8) * s + m` in float32, `sz` the kernel's [groups, rows, (s, m)]."""
         sz = sz.float().transpose(0, 1)  # [rows, groups, (scale, offset)]
-        grouped = codes.reshape(codes.shape[0], sz.shape[1], self.group_size).float() - 8
-        return (grouped * sz[..., :1] + sz[..., 1:]).reshape(codes.shape)
+        scale, offset = sz[..., :1], sz[..., 1:] - 8 * sz[..., :1]
+        grouped = codes.reshape(codes.shape[0], sz.shape[1], self.group_size).float()
+        return grouped.mul_(scale).add_(offset).reshape(codes.shape)
 
 
 class _Int8Linear(nn.Module):
