@@ -122,7 +122,7 @@ def test_a_prefill_sized_call_dequantizes_and_gives_the_kernels_numbers(
     more than one bfloat16 step away."""
     torch.manual_seed(2)
     weight = torch.randn(208, 256)  # 208 rows: six full int4 blocks of 32 and a short one
-    qw = rtn(weight, fmt, sym=sym) if fmt.bits == 8 else rtn(weight, fmt)
+    qw = rtn(weight, fmt, sym=sym)
     cls = PackedLinear4 if fmt.bits == 4 else PackedLinear8
     module = cls(qw, None, torch.float32)
     x = torch.randn(DEQUANTIZE_ROWS + 5, 256)
