@@ -82,6 +82,9 @@ class SchedulerConfig:
         check_fields(self)
 
 
+KVCacheDtype = Literal["auto", "int8"]
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: Annotated[int, Range(1, 1024)] = 8
@@ -94,6 +97,10 @@ class CacheConfig:
     """Fraction of free GPU memory for KV when `kv_cache_bytes` is None (CUDA only)."""
     num_blocks: Annotated[int | None, Range(1)] = None
     """Exact number of KV blocks; overrides the byte budget."""
+    kv_cache_dtype: KVCacheDtype = "auto"
+    """auto: keys and values stored in the model's dtype; int8: symmetric int8 codes with a
+    float32 scale per token and KV head (`serve/model/kv_cache.py`): 1 + 4 / head_dim bytes a
+    value, so about 4x the tokens of float32 and 2x those of bfloat16 fit in the same budget."""
 
     def __post_init__(self) -> None:
         check_fields(self)

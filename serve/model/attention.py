@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from serve.core.step_scope import step_scope
+from serve.model.kv_cache import KVTensor, write_slots
 
 ATTENTION_NAME = "workbench_paged"
 
@@ -62,8 +63,9 @@ class DecodeGroup:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    """Per layer: K and V, each [num_blocks, block_size, kv_heads, head_dim]."""
+    kv_caches: list[tuple[KVTensor, KVTensor]]
+    """Per layer: K and V, each [num_blocks, block_size, kv_heads, head_dim] (float, or int8
+    with scales: `serve/model/kv_cache.py`)."""
     slot_mapping: torch.Tensor
     """[T]: flat cache slot (block_id * block_size + offset) of each new token."""
     prefills: list[SequenceSlice]
@@ -80,8 +82,8 @@ class AttentionBackend(Protocol):
     def attend(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVTensor,
+        v_cache: KVTensor,
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
@@ -116,12 +118,12 @@ def _window_mask(group: DecodeGroup, window: int | None) -> torch.Tensor:
     return group.mask & recent[:, None, None, :]
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+def _gather(cache: KVTensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[seq_len, kv_heads, head_dim]: one sequence's cached tokens, in order."""
     return cache.index_select(0, block_ids).flatten(0, 1)[:seq_len]
 
 
-def _gather_batch(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def _gather_batch(cache: KVTensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[S, kv_heads, max_blocks * block_size, head_dim] (a view) for a padded block table.
     NOTE: index_select on the flat table is ~3x faster than `cache[block_tables]` on the CPU."""
     s, width = block_tables.shape
@@ -141,8 +143,8 @@ class SDPABackend:
     def attend(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVTensor,
+        v_cache: KVTensor,
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
@@ -156,8 +158,8 @@ class SDPABackend:
     def attend_decodes(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVTensor,
+        v_cache: KVTensor,
         group: DecodeGroup,
         scale: float,
         window: int | None = None,
@@ -174,8 +176,8 @@ class SDPABackend:
     @staticmethod
     def attend_prefills(
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVTensor,
+        v_cache: KVTensor,
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
@@ -201,8 +203,8 @@ class ReferenceBackend:
     def attend(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVTensor,
+        v_cache: KVTensor,
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
@@ -247,9 +249,8 @@ def _attend_layer(
             "paged attention was called outside step_context(); run the model through ModelRunner"
         )
     k_cache, v_cache = meta.kv_caches[layer_idx]
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    write_slots(k_cache, meta.slot_mapping, key[0].transpose(0, 1))
+    write_slots(v_cache, meta.slot_mapping, value[0].transpose(0, 1))
     q = query[0].transpose(0, 1)
     return meta.backend.attend(q, k_cache, v_cache, meta, scale, window)[None]
 

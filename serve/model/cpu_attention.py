@@ -3,8 +3,9 @@
 Model: decoding sequences read their keys and values from the KV blocks where they sit, one
 (sequence, KV head) pair per work item, every cached byte once per layer; no per-layer gather of
 each sequence's blocks and no padding to the longest sequence (the SDPA backend does both).
-Prefill chunks still go to SDPA's fused kernel. Float32 and bfloat16 caches; scores, softmax and
-sums in float32.
+Prefill chunks still go to SDPA's fused kernel. Float32 and bfloat16 models, their caches in the
+model's dtype or in int8 with a scale per (token, KV head) (`serve/model/kv_cache.py`, read in
+place: codes and scales); scores, softmax and sums in float32.
 
 The library is compiled once per (source, compiler, CPU) into `$WORKBENCH_CACHE_DIR/kernels`
 with the C compiler `$CC` (default `cc`), `-O3 -march=native -ffast-math -fopenmp`, in about
@@ -32,6 +33,7 @@ import torch
 
 from compress.cache import cache_dir
 from serve.model.attention import DecodeGroup, SDPABackend
+from serve.model.kv_cache import Int8KV, KVTensor
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,11 @@ LINK = ["-shared", "-fopenmp"]
 """NOTE: -ffast-math (vectorized dot products and expf) only when compiling: linked with it, the
 library would bring crtfastmath, which flushes denormals to zero for the whole process."""
 _FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_INT8_FUNCTIONS = {torch.float32: "paged_decode_i8_f32", torch.bfloat16: "paged_decode_i8_bf16"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int]
+_INT8_ARGTYPES = [*_ARGTYPES[:3], _P, _P, *_ARGTYPES[3:]]
+"""The int8 functions take the K and V scales after the caches."""
 
 
 def _cache_root() -> Path:
@@ -105,9 +110,10 @@ def load_kernel() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("paged CPU attention unavailable: %s", e)
         return None
-    for name in _FUNCTIONS.values():
-        getattr(lib, name).argtypes = _ARGTYPES
-        getattr(lib, name).restype = ctypes.c_int
+    for names, argtypes in ((_FUNCTIONS, _ARGTYPES), (_INT8_FUNCTIONS, _INT8_ARGTYPES)):
+        for name in names.values():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -148,27 +154,37 @@ class PagedCPUBackend(SDPABackend):
     def attend_decodes(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVTensor,
+        v_cache: KVTensor,
         group: DecodeGroup,
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
         """One decode group through the kernel (prefills stay on SDPA, as in `SDPABackend`):
         q [S_g, heads, head_dim] (a token per sequence) -> the same shape."""
-        if q.device.type != "cpu" or q.dtype not in _FUNCTIONS or k_cache.dtype != q.dtype:
-            raise ValueError(f"paged-cpu attention takes CPU float32/bfloat16, got {q.dtype}")
+        caches: list[torch.Tensor] = []
+        if isinstance(k_cache, Int8KV) and isinstance(v_cache, Int8KV):
+            functions, caches = _INT8_FUNCTIONS, [k_cache.data, v_cache.data]
+            caches += [k_cache.scales, v_cache.scales]
+        elif isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
+            functions, caches = _FUNCTIONS, [k_cache, v_cache] if k_cache.dtype == q.dtype else []
+        if q.device.type != "cpu" or q.dtype not in functions or not caches:
+            raise ValueError(
+                "paged-cpu attention takes CPU float32/bfloat16 queries over a cache of their "
+                f"dtype or int8, got {q.dtype} queries"
+            )
         q = q.contiguous()
         out = torch.empty_like(q)
         s, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         tables = group.block_tables.contiguous()
         lens = group.seq_lens.contiguous()
-        assert tables.dtype == lens.dtype == torch.int64 and k_cache.is_contiguous()
-        rc = getattr(self.lib, _FUNCTIONS[q.dtype])(
+        assert tables.dtype == lens.dtype == torch.int64
+        assert all(c.is_contiguous() for c in caches)
+        function = getattr(self.lib, functions[q.dtype])
+        rc = function(
             q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
+            *[c.data_ptr() for c in caches],
             tables.data_ptr(),
             tables.shape[1],
             lens.data_ptr(),

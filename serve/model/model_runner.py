@@ -22,7 +22,7 @@ from serve.core.config import ATTENTION_BACKENDS, CacheConfig, ModelConfig
 from serve.core.scheduler import SchedulerOutput
 from serve.lora.layers import StepSlots, lora_step_context
 from serve.lora.manager import AdapterManager, LoraConfig
-from serve.model import cpu_attention
+from serve.model import cpu_attention, kv_cache
 from serve.model.attention import (
     ATTENTION_NAME,
     AttentionBackend,
@@ -94,18 +94,27 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    """The model's dtype: what attention computes in."""
+    kv_cache_dtype: str = "auto"
+    """auto: the cache stores `dtype`; int8: codes and a float32 scale per (token, KV head)."""
 
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv heads x head dim x dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """2 (K and V) x layers x kv heads x (head dim x dtype bytes, or head dim + a float32
+        scale in int8)."""
+        per_head = (
+            self.head_dim + 4
+            if self.kv_cache_dtype == "int8"
+            else self.head_dim * self.dtype.itemsize
+        )
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
-def kv_layout(model: PreTrainedModel, dtype: torch.dtype) -> KVLayout:
+def kv_layout(model: PreTrainedModel, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVLayout:
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return KVLayout(config.num_hidden_layers, kv_heads, head_dim, dtype)
+    return KVLayout(config.num_hidden_layers, kv_heads, head_dim, dtype, kv_cache_dtype)
 
 
 def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
@@ -155,17 +164,14 @@ class ModelRunner:
         lora: LoraConfig | None = None,
     ) -> None:
         self.model, self.device, self.block_size = model, device, cache.block_size
-        self.layout = kv_layout(model, model.dtype)  # the float parameters' dtype
+        # the float parameters' dtype
+        self.layout = kv_layout(model, model.dtype, cache.kv_cache_dtype)
         self.backend = make_backend(backend, model, device, self.layout)
         self.num_blocks = self._num_blocks(cache)
         shape = (self.num_blocks, cache.block_size, self.layout.num_kv_heads, self.layout.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.layout.dtype, device=device),
-                torch.zeros(shape, dtype=self.layout.dtype, device=device),
-            )
-            for _ in range(self.layout.num_layers)
-        ]
+        self.kv_caches = kv_cache.allocate(
+            self.layout.num_layers, shape, self.layout.dtype, cache.kv_cache_dtype, device
+        )
         self.adapters = AdapterManager(model, lora, device, self.layout.dtype) if lora else None
         """The LoRA layers wrapped around the model's linears and their device slots."""
         self.call_model: Callable[..., Any] = model

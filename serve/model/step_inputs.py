@@ -13,6 +13,7 @@ import torch
 
 from serve.core.scheduler import SchedulerOutput
 from serve.model.attention import AttentionBackend, AttentionMetadata, DecodeGroup, SequenceSlice
+from serve.model.kv_cache import KVTensor
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def decode_groups(
 def build_step_inputs(
     out: SchedulerOutput,
     block_size: int,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    kv_caches: list[tuple[KVTensor, KVTensor]],
     backend: AttentionBackend,
     device: torch.device,
 ) -> StepInputs:

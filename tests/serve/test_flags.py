@@ -56,11 +56,12 @@ def test_no_flags_give_the_dataclass_defaults() -> None:
 def test_flags_build_the_configs() -> None:
     args = parse(
         "m --block-size 16 --kv-cache-memory 1MiB --kv-cache-fraction 0.25 --num-blocks 9 "
+        "--kv-cache-dtype int8 "
         "--max-num-seqs 3 --max-model-len 100 --no-enable-prefix-caching --dtype bfloat16 "
         "--attention-backend sdpa --no-prepack-linears --compile --max-lora-rank 8 "
         "--max-waiting 5 --max-body-bytes 2KiB --allow-any-lora-path"
     )
-    assert config_from_args(CacheConfig, args) == CacheConfig(16, 1 << 20, 0.25, 9)
+    assert config_from_args(CacheConfig, args) == CacheConfig(16, 1 << 20, 0.25, 9, "int8")
     assert config_from_args(SchedulerConfig, args) == SchedulerConfig(3, 1024, 100, False)
     assert config_from_args(ModelConfig, args, model="m") == ModelConfig(
         "m", "bfloat16", "auto", "sdpa", prepack_linears=False, compile=True
@@ -79,6 +80,7 @@ def test_flags_build_the_configs() -> None:
         ("--max-cpu-loras 0", "0 is out of range; allowed: >= 1"),
         ("--max-num-seqs x", "'x' is not an integer"),
         ("--dtype float8", "invalid choice: 'float8'"),
+        ("--kv-cache-dtype fp8", "invalid choice: 'fp8'"),
     ],
 )
 def test_bounds_come_from_the_configs(flags: str, message: str) -> None:

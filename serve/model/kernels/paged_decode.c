@@ -12,6 +12,9 @@
  * (sequence, KV head) pairs; each reads its keys once for the scores of its G query heads,
  * then its values once, so every cached byte is read once per layer.
  * T is float or uint16_t (bfloat16 bits); scores, softmax and sums are float32.
+ * int8 caches (the `_i8_` functions): k and v hold int8 codes in the same layout, and
+ *   k_scales, v_scales [num_blocks, block_size, KVH] float: a key is its codes x its scale, so
+ *   the scale multiplies the finished dot product (keys) and the probability (values).
  * Returns 0, 1 for shapes past the limits below, 2 when scratch memory could not be had.
  */
 #include <float.h>
@@ -41,13 +44,17 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 #define F32_LOAD(x) (x)
 #define F32_STORE(x) (x)
 
+#define I8_LOAD(x) ((float)(x))
+
 /* One (sequence, KV head) work item; `D` is a literal at the hot call sites, so the head-dim
- * loops are unrolled and the accumulators stay in registers. */
-#define DEFINE_ITEM(SUFFIX, T, LOAD, STORE)                                                    \
-    static inline __attribute__((always_inline)) int item_##SUFFIX(                            \
-        const T *q, const T *k, const T *v, const int64_t *table, int64_t first, int64_t end,   \
-        T *out, int64_t H, int64_t KVH, int64_t G, int64_t kvh, int64_t block_size,            \
-        float scale, const int64_t D) {                                                        \
+ * loops are unrolled and the accumulators stay in registers. KT is the cache's element type,
+ * KLOAD its conversion to float; SCALED (a literal) says whether ks / vs hold a scale per
+ * (slot, KV head), so the float caches' items compile without them. */
+#define DEFINE_ITEM(NAME, T, KT, LOAD, STORE, KLOAD, SCALED)                                   \
+    static inline __attribute__((always_inline)) int NAME(                                     \
+        const T *q, const KT *k, const KT *v, const float *ks, const float *vs,                 \
+        const int64_t *table, int64_t first, int64_t end, T *out, int64_t KVH, int64_t G,      \
+        int64_t kvh, int64_t block_size, float scale, const int64_t D) {                       \
         float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                       \
         float maxs[MAX_GROUP], sums[MAX_GROUP];                                                \
         const int64_t len = end - first; /* keys first .. end - 1; scores indexed from 0 */   \
@@ -61,15 +68,19 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
             sums[g] = 0.0f;                                                                    \
         }                                                                                      \
         for (int64_t t0 = first - first % block_size; t0 < end; t0 += block_size) {            \
-            const T *kb = k + (table[t0 / block_size] * block_size * KVH + kvh) * D;           \
+            const int64_t slot0 = table[t0 / block_size] * block_size;                         \
+            const KT *kb = k + (slot0 * KVH + kvh) * D;                                        \
             const int64_t n = end - t0 < block_size ? end - t0 : block_size;                   \
-            for (int64_t i = t0 < first ? first - t0 : 0; i < n; i++)                         \
+            for (int64_t i = t0 < first ? first - t0 : 0; i < n; i++) {                        \
+                const float s = SCALED ? ks[(slot0 + i) * KVH + kvh] : 1.0f;                   \
                 for (int64_t g = 0; g < G; g++) {                                              \
                     float dot = 0.0f;                                                          \
-                    for (int64_t d = 0; d < D; d++) dot += qf[g][d] * LOAD(kb[i * KVH * D + d]); \
+                    for (int64_t d = 0; d < D; d++) dot += qf[g][d] * KLOAD(kb[i * KVH * D + d]); \
+                    dot *= s;                                                                  \
                     scores[g * len + t0 + i - first] = dot;                                    \
                     maxs[g] = dot > maxs[g] ? dot : maxs[g];                                   \
                 }                                                                              \
+            }                                                                                  \
         }                                                                                      \
         for (int64_t g = 0; g < G; g++) {                                                      \
             float sum = 0.0f;                                                                  \
@@ -81,13 +92,16 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
             sums[g] = sum;                                                                     \
         }                                                                                      \
         for (int64_t t0 = first - first % block_size; t0 < end; t0 += block_size) {            \
-            const T *vb = v + (table[t0 / block_size] * block_size * KVH + kvh) * D;           \
+            const int64_t slot0 = table[t0 / block_size] * block_size;                         \
+            const KT *vb = v + (slot0 * KVH + kvh) * D;                                        \
             const int64_t n = end - t0 < block_size ? end - t0 : block_size;                   \
-            for (int64_t i = t0 < first ? first - t0 : 0; i < n; i++)                          \
+            for (int64_t i = t0 < first ? first - t0 : 0; i < n; i++) {                        \
+                const float s = SCALED ? vs[(slot0 + i) * KVH + kvh] : 1.0f;                   \
                 for (int64_t g = 0; g < G; g++) {                                              \
-                    const float p = scores[g * len + t0 + i - first];                          \
-                    for (int64_t d = 0; d < D; d++) acc[g][d] += p * LOAD(vb[i * KVH * D + d]); \
+                    const float p = scores[g * len + t0 + i - first] * s;                      \
+                    for (int64_t d = 0; d < D; d++) acc[g][d] += p * KLOAD(vb[i * KVH * D + d]); \
                 }                                                                              \
+            }                                                                                  \
         }                                                                                      \
         for (int64_t g = 0; g < G; g++) {                                                      \
             T *oh = out + (kvh * G + g) * D;                                                   \
@@ -98,11 +112,13 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
         return 0;                                                                              \
     }
 
-#define DEFINE_PAGED_DECODE(SUFFIX, T)                                                         \
-    int paged_decode_##SUFFIX(const T *q, const T *k, const T *v, const int64_t *block_tables, \
-                              int64_t table_width, const int64_t *seq_lens, T *out, int64_t S, \
-                              int64_t H, int64_t KVH, int64_t D, int64_t block_size,           \
-                              float scale, int64_t window, int num_threads) {                  \
+/* The exported entry: work items over (sequence, KV head), `D` made a literal for 64 and 128.
+ * The float caches' functions keep their scale-free signature. */
+#define DEFINE_PAGED_DECODE(NAME, ITEM, T, KT, SCALE_PARAMS, KS, VS)                           \
+    int NAME(const T *q, const KT *k, const KT *v, SCALE_PARAMS const int64_t *block_tables,   \
+             int64_t table_width, const int64_t *seq_lens, T *out, int64_t S, int64_t H,       \
+             int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window,          \
+             int num_threads) {                                                                \
         if (H % KVH || H / KVH > MAX_GROUP || D > MAX_HEAD_DIM) return 1;                      \
         const int64_t G = H / KVH;                                                             \
         int rc = 0;                                                                            \
@@ -116,20 +132,28 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
             const int64_t first = window > 0 && end > window ? end - window : 0;               \
             int r;                                                                             \
             if (D == 64)                                                                       \
-                r = item_##SUFFIX(qs, k, v, table, first, end, os, H, KVH, G, kvh,            \
-                                  block_size, scale, 64);                                      \
+                r = ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, kvh, block_size,     \
+                         scale, 64);                                                           \
             else if (D == 128)                                                                 \
-                r = item_##SUFFIX(qs, k, v, table, first, end, os, H, KVH, G, kvh,            \
-                                  block_size, scale, 128);                                     \
+                r = ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, kvh, block_size,     \
+                         scale, 128);                                                          \
             else                                                                               \
-                r = item_##SUFFIX(qs, k, v, table, first, end, os, H, KVH, G, kvh,            \
-                                  block_size, scale, D);                                       \
+                r = ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, kvh, block_size,     \
+                         scale, D);                                                            \
             if (r) rc = r;                                                                     \
         }                                                                                      \
         return rc;                                                                             \
     }
 
-DEFINE_ITEM(f32, float, F32_LOAD, F32_STORE)
-DEFINE_ITEM(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_PAGED_DECODE(f32, float)
-DEFINE_PAGED_DECODE(bf16, uint16_t)
+#define SCALES const float *k_scales, const float *v_scales,
+#define NO_SCALES
+
+DEFINE_ITEM(item_f32, float, float, F32_LOAD, F32_STORE, F32_LOAD, 0)
+DEFINE_ITEM(item_bf16, uint16_t, uint16_t, bf16_to_f32, f32_to_bf16, bf16_to_f32, 0)
+DEFINE_ITEM(item_i8_f32, float, int8_t, F32_LOAD, F32_STORE, I8_LOAD, 1)
+DEFINE_ITEM(item_i8_bf16, uint16_t, int8_t, bf16_to_f32, f32_to_bf16, I8_LOAD, 1)
+DEFINE_PAGED_DECODE(paged_decode_f32, item_f32, float, float, NO_SCALES, NULL, NULL)
+DEFINE_PAGED_DECODE(paged_decode_bf16, item_bf16, uint16_t, uint16_t, NO_SCALES, NULL, NULL)
+DEFINE_PAGED_DECODE(paged_decode_i8_f32, item_i8_f32, float, int8_t, SCALES, k_scales, v_scales)
+DEFINE_PAGED_DECODE(paged_decode_i8_bf16, item_i8_bf16, uint16_t, int8_t, SCALES, k_scales,
+                    v_scales)

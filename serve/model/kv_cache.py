@@ -1,0 +1,95 @@
+"""The paged KV cache's tensors: float, or int8 with a scale per (slot, KV head).
+
+Model: each layer keeps K and V as [num_blocks, block_size, kv_heads, head_dim]. A float cache
+stores the model's dtype. An int8 cache (`kv_cache_dtype: int8`, as vLLM's `--kv-cache-dtype`)
+stores symmetric codes `round(x / s)` in -127 .. 127 with `s = max|x| / 127` over the head dim
+of one token and one KV head (a float32 scale per slot and head, [num_blocks, block_size,
+kv_heads]): 1 + 4 / head_dim bytes a value instead of 4 (float32) or 2 (bfloat16). Keys and
+values are quantized as they are written (`write_slots`) and read back as `codes * s`: the SDPA
+and reference backends dequantize what they gather (`Int8KV.index_select`), the paged CPU kernel
+reads the codes and scales in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT8_MAX = 127
+
+
+@dataclass(frozen=True)
+class Int8KV:
+    """One layer's K (or V) cache in int8: the value of slot t, head h is `data[t, h] *
+    scales[t, h]` (slots flattened over blocks)."""
+
+    data: torch.Tensor
+    """[num_blocks, block_size, kv_heads, head_dim] int8."""
+    scales: torch.Tensor
+    """[num_blocks, block_size, kv_heads] float32."""
+    dtype: torch.dtype
+    """What reads dequantize into: the model's dtype."""
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def index_select(self, dim: int, blocks: torch.Tensor) -> torch.Tensor:
+        """Blocks `blocks` (dim 0) dequantized: [len(blocks), block_size, kv_heads, head_dim]
+        in `dtype`, as `Tensor.index_select` gives a float cache's."""
+        if dim != 0:
+            raise ValueError("an int8 KV cache is read by whole blocks (dim 0)")
+        codes = self.data.index_select(0, blocks).float()
+        return (codes * self.scales.index_select(0, blocks).unsqueeze(-1)).to(self.dtype)
+
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Quantize `x` [len(slots), kv_heads, head_dim] into flat slots `slots`."""
+        codes, scales = quantize_int8(x)
+        heads, dim = self.data.shape[2], self.data.shape[3]
+        self.data.view(-1, heads, dim).index_copy_(0, slots, codes)
+        self.scales.view(-1, heads).index_copy_(0, slots, scales)
+
+
+KVTensor = torch.Tensor | Int8KV
+"""One layer's K or V cache as the backends read it."""
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., head_dim] -> (int8 codes [..., head_dim], float32 scales [...]): symmetric, one
+    scale per vector (an all-zero vector gets scale 1 and codes 0)."""
+    x = x.float()
+    scales = x.abs().amax(-1) / INT8_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(x / scales.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX)
+    return codes.to(torch.int8), scales
+
+
+def write_slots(cache: KVTensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Store a step's keys or values `x` [T, kv_heads, head_dim] into flat slots `slots` [T]."""
+    if isinstance(cache, Int8KV):
+        cache.write(slots, x)
+    else:
+        cache.view(-1, x.shape[1], x.shape[2]).index_copy_(0, slots, x)
+
+
+def allocate(
+    num_layers: int,
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    kv_cache_dtype: str,
+    device: torch.device,
+) -> list[tuple[KVTensor, KVTensor]]:
+    """Per layer a zeroed (K, V) pair of `shape` [num_blocks, block_size, kv_heads, head_dim]."""
+
+    def one() -> KVTensor:
+        if kv_cache_dtype == "int8":
+            data = torch.zeros(shape, dtype=torch.int8, device=device)
+            return Int8KV(data, torch.ones(shape[:3], device=device), dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return [(one(), one()) for _ in range(num_layers)]
