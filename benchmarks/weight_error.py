@@ -11,6 +11,12 @@ agreement, perplexity, standard errors over windows):
 - `int8`, `int8-g32`, `int8-g128` (symmetric round-to-nearest), `int4-g128` (GPTQ's grid),
   `hqq-g128`: the weights fake-quantized (quantized and dequantized, computed in float32): the
   format's own cost, kernels aside; groups on int8 are what torch's int8 kernel cannot run;
+- `int4-g128-mse`: GPTQ's grid with the reference quantizer's `mse` range search (per row of a
+  group, the range shrunk by 0 .. 80% in steps of 1% to minimise the l_2.4 error of the
+  group's weights): clipping traded for resolution, as GPTQ's and gptqmodel's `mse` option do;
+- `hqq-g128-slow`: HQQ with the library's `optimize_weights_proximal_slow` solver (100
+  iterations, no early stop) instead of its default one, to show whether the solver has
+  converged;
 - `gptq-int8` (symmetric per channel, act-order, 64 x 512 calibration tokens of the corpus's
   train split), likewise fake-quantized.
 """
@@ -34,7 +40,17 @@ from compress.grids import hqq, rtn
 from compress.packed import PackedFormat
 from evals.divergence import divergence, scored_bytes
 
-CASES = ("bf16-linears", "int8", "int8-g32", "int8-g128", "int4-g128", "hqq-g128", "gptq-int8")
+CASES = (
+    "bf16-linears",
+    "int8",
+    "int8-g32",
+    "int8-g128",
+    "int4-g128",
+    "int4-g128-mse",
+    "hqq-g128",
+    "hqq-g128-slow",
+    "gptq-int8",
+)
 Weights = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -48,7 +64,47 @@ def _formats() -> dict[str, Weights]:
         "int8-g128": sym(8, 128),
         "int4-g128": lambda w: rtn(w, PackedFormat(4, 128)).dequantize(),
         "hqq-g128": lambda w: hqq(w, PackedFormat(4, 128)).dequantize(),
+        "hqq-g128-slow": lambda w: _hqq_slow(w, PackedFormat(4, 128)),
+        "int4-g128-mse": lambda w: _rtn_mse(w, PackedFormat(4, 128)),
     }
+
+
+def _rtn_mse(
+    w: torch.Tensor, fmt: PackedFormat, norm: float = 2.4, grid: int = 100, max_shrink: float = 0.8
+) -> torch.Tensor:
+    """GPTQ's asymmetric grid fitted with the reference quantizer's `mse` search: per row of a
+    group, of the ranges `p * [min(w, 0), max(w, 0)]` for p = 1, 0.99, .. (max_shrink * grid
+    steps), the one whose rounding has the least l_`norm` error; returned dequantized."""
+    group = fmt.group_size or w.shape[1]
+    rows = w.float().reshape(-1, group)
+    zeros = torch.zeros(rows.shape[0])
+    low, high = torch.minimum(rows.min(1).values, zeros), torch.maximum(rows.max(1).values, zeros)
+    maxq = 2**fmt.bits - 1
+    best_error = torch.full_like(low, float("inf"))
+    best = torch.empty_like(rows)
+    for step in range(int(max_shrink * grid)):
+        shrink = 1 - step / grid
+        scale = (high - low) * shrink / maxq
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)[:, None]
+        zero = torch.round(-low[:, None] * shrink / scale)
+        dequantized = ((torch.round(rows / scale) + zero).clamp(0, maxq) - zero) * scale
+        error = (dequantized - rows).abs().pow(norm).sum(1)
+        better = error < best_error
+        best_error[better], best[better] = error[better], dequantized[better]
+    return best.reshape(w.shape)
+
+
+def _hqq_slow(w: torch.Tensor, fmt: PackedFormat) -> torch.Tensor:
+    """`compress.grids.hqq` with the library's slow solver swapped in for the call."""
+    from hqq.core import optimize
+    from hqq.core.quantize import Quantizer
+
+    default = Quantizer.optimize_weights
+    Quantizer.optimize_weights = optimize.optimize_weights_proximal_slow
+    try:
+        return hqq(w, fmt).dequantize()
+    finally:
+        Quantizer.optimize_weights = default
 
 
 def _linears(model: Any) -> dict[str, nn.Linear]:

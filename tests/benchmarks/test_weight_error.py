@@ -39,3 +39,40 @@ def test_weight_error_cases_leave_the_head_and_embedding_alone(tiny_model_dir: P
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(k.endswith("proj.weight") for k in changed)
     assert "lm_head.weight" not in changed and "model.embed_tokens.weight" not in changed
+
+
+def test_mse_range_search_never_rounds_worse_than_the_full_range() -> None:
+    """The search includes the full range (shrink 1), so no row of a group rounds with more
+    l_2.4 error than plain round-to-nearest; on Gaussian weights most rows gain by clipping
+    their tails."""
+    from benchmarks.weight_error import _rtn_mse
+    from compress.grids import rtn
+    from compress.packed import PackedFormat
+
+    torch.manual_seed(0)
+    w = torch.randn(16, 256)
+    fmt = PackedFormat(4, 128)
+    searched, plain = _rtn_mse(w, fmt), rtn(w, fmt).dequantize()
+
+    def group_error(q: torch.Tensor) -> torch.Tensor:
+        return (q - w).abs().pow(2.4).reshape(16, 2, 128).sum(-1)
+
+    assert (group_error(searched) <= group_error(plain) * (1 + 1e-6)).all()
+    assert (group_error(searched) < group_error(plain)).float().mean() > 0.5
+    assert searched.abs().max() < w.abs().max()
+
+
+def test_hqq_slow_solver_is_swapped_in_for_the_call_only() -> None:
+    from hqq.core.quantize import Quantizer
+
+    from benchmarks.weight_error import _hqq_slow
+    from compress.grids import hqq
+    from compress.packed import PackedFormat
+
+    default = Quantizer.optimize_weights
+    torch.manual_seed(0)
+    w = torch.randn(8, 256)
+    slow, fast = _hqq_slow(w, PackedFormat(4, 128)), hqq(w, PackedFormat(4, 128)).dequantize()
+    assert Quantizer.optimize_weights is default
+    assert not torch.equal(slow, fast)
+    assert (slow - w).abs().mean() <= (fast - w).abs().mean() * 1.01
