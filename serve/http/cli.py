@@ -187,12 +187,13 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(AsyncEngine(engine, ServerMetrics(name), settings.max_unread_tokens), settings)
     block_size = engine.cache_config.block_size
     logging.getLogger("workbench").info(
-        "serving %r: %d KV blocks of %d tokens (%d tokens, %.1f MiB)",
+        "serving %r: %d KV blocks of %d tokens (%d tokens, %.1f MiB, %s)",
         name,
         engine.runner.num_blocks,
         block_size,
         engine.runner.num_blocks * block_size,
         engine.runner.kv_bytes / 2**20,
+        engine.runner.layout.stored_as(),
     )
     if engine.runner.compile_report:
         logging.getLogger("workbench").info(engine.runner.compile_report.line())

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 INT8_MAX = 127
+TINY = 1e-30
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,10 @@ KVTensor = torch.Tensor | Int8KV
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., head_dim] -> (int8 codes [..., head_dim], float32 scales [...]): symmetric, one
-    scale per vector (an all-zero vector gets scale 1 and codes 0)."""
+    scale per vector, `max|x| / 127` (an all-zero vector: codes 0 under a tiny scale)."""
     x = x.float()
-    scales = x.abs().amax(-1) / INT8_MAX
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(x / scales.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX)
-    return codes.to(torch.int8), scales
+    scales = x.abs().amax(-1, keepdim=True).clamp_min_(TINY).div_(INT8_MAX)
+    return torch.round(x / scales).to(torch.int8), scales.squeeze(-1)
 
 
 def write_slots(cache: KVTensor, slots: torch.Tensor, x: torch.Tensor) -> None:

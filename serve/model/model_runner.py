@@ -108,6 +108,10 @@ class KVLayout:
         )
         return 2 * self.num_layers * self.num_kv_heads * per_head
 
+    def stored_as(self) -> str:
+        """What the cache holds: int8, or the model's dtype (float32, bfloat16, ...)."""
+        return "int8" if self.kv_cache_dtype == "int8" else str(self.dtype).removeprefix("torch.")
+
 
 def kv_layout(model: PreTrainedModel, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVLayout:
     config = model.config.get_text_config()
