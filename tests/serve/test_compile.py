@@ -72,3 +72,24 @@ def test_compile_of_a_quantized_model_is_refused(model_dirs: dict[str, Path]) ->
     assert why_not_compilable(model, lora=False) is None
     model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
     assert "quantized" in str(why_not_compilable(model, lora=False))
+
+
+@needs_cxx
+@pytest.mark.slow  # inductor compiles four graphs (seconds each, cached after)
+def test_compiled_engine_on_an_int8_kv_cache_gives_the_uncompiled_tokens(
+    model_dirs: dict[str, Path], cases: list[Case]
+) -> None:
+    """The paged op stays opaque to the compiler and writes and reads the int8 cache as the
+    eager forward does."""
+
+    def engine(compile_model: bool) -> LLMEngine:
+        return LLMEngine(
+            ModelConfig(str(model_dirs["llama"]), "float32", "cpu", compile=compile_model),
+            CacheConfig(block_size=16, num_blocks=64, kv_cache_dtype="int8"),
+            SchedulerConfig(max_num_batched_tokens=96),
+        )
+
+    compiled = engine(True)
+    assert compiled.runner.compile_report is not None
+    assert compiled.runner.compile_report.graph_breaks == 0
+    assert run(compiled, cases[:12]) == run(engine(False), cases[:12])
