@@ -36,10 +36,6 @@ class Int8KV:
     def shape(self) -> torch.Size:
         return self.data.shape
 
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
     def index_select(self, dim: int, blocks: torch.Tensor) -> torch.Tensor:
         """Blocks `blocks` (dim 0) dequantized: [len(blocks), block_size, kv_heads, head_dim]
         in `dtype`, as `Tensor.index_select` gives a float cache's."""
