@@ -162,12 +162,12 @@ class PagedCPUBackend(SDPABackend):
     ) -> torch.Tensor:
         """One decode group through the kernel (prefills stay on SDPA, as in `SDPABackend`):
         q [S_g, heads, head_dim] (a token per sequence) -> the same shape."""
-        caches: list[torch.Tensor] = []
+        functions, caches = _FUNCTIONS, list[torch.Tensor]()  # a mixed cache: refused below
         if isinstance(k_cache, Int8KV) and isinstance(v_cache, Int8KV):
-            functions, caches = _INT8_FUNCTIONS, [k_cache.data, v_cache.data]
-            caches += [k_cache.scales, v_cache.scales]
+            functions = _INT8_FUNCTIONS
+            caches = [k_cache.data, v_cache.data, k_cache.scales, v_cache.scales]
         elif isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
-            functions, caches = _FUNCTIONS, [k_cache, v_cache] if k_cache.dtype == q.dtype else []
+            caches = [k_cache, v_cache] if k_cache.dtype == q.dtype else []
         if q.device.type != "cpu" or q.dtype not in functions or not caches:
             raise ValueError(
                 "paged-cpu attention takes CPU float32/bfloat16 queries over a cache of their "

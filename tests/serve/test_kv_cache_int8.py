@@ -198,3 +198,10 @@ def test_int8_kv_stays_within_a_tolerance_of_the_float_cache(
     difference = (float_lp - int8_lp).abs()
     assert difference.mean() < 0.02 and difference.max() > 0
     assert (float_top == int8_top).float().mean() >= 0.97
+
+
+@needs_c_compiler
+def test_paged_cpu_refuses_an_int8_key_cache_beside_a_float_value_cache() -> None:
+    q, k, v, group = scattered_decode([5, 9], 4, 2, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="a cache of their dtype or int8"):
+        cpu_attention.PagedCPUBackend().attend_decodes(q, as_int8(k), v, group, 0.25)
