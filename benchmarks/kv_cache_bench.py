@@ -43,7 +43,7 @@ from evals.divergence import divergence, scored_bytes
 from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.http.flags import parse_size
-from serve.model.kv_cache import quantize_int8
+from serve.model.kv_cache import dequantize_int8, quantize_int8
 
 DTYPES = ("auto", "int8")
 ROUNDED_KV = "int8_rounded_kv_sdpa"
@@ -53,8 +53,7 @@ def _rounded_kv_attention(module: Any, query: Any, key: Any, value: Any, *args: 
     """SDPA over keys and values rounded to int8 per token and KV head, as the cache stores them."""
 
     def rounded(x: torch.Tensor) -> torch.Tensor:
-        codes, scales = quantize_int8(x)
-        return (codes.float() * scales.unsqueeze(-1)).to(x.dtype)
+        return dequantize_int8(*quantize_int8(x), x.dtype)
 
     return sdpa_attention_forward(module, query, rounded(key), rounded(value), *args, **kw)
 

@@ -41,8 +41,8 @@ class Int8KV:
         in `dtype`, as `Tensor.index_select` gives a float cache's."""
         if dim != 0:
             raise ValueError("an int8 KV cache is read by whole blocks (dim 0)")
-        codes = self.data.index_select(0, blocks).float()
-        return (codes * self.scales.index_select(0, blocks).unsqueeze(-1)).to(self.dtype)
+        codes, scales = self.data.index_select(0, blocks), self.scales.index_select(0, blocks)
+        return dequantize_int8(codes, scales, self.dtype)
 
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize `x` [len(slots), kv_heads, head_dim] into flat slots `slots`."""
@@ -62,6 +62,11 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.float()
     scales = x.abs().amax(-1, keepdim=True).clamp_min_(TINY).div_(INT8_MAX)
     return torch.round(x / scales).to(torch.int8), scales.squeeze(-1)
+
+
+def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`quantize_int8`'s inverse: codes [..., head_dim] x scales [...], in `dtype`."""
+    return (codes.float() * scales.unsqueeze(-1)).to(dtype)
 
 
 def write_slots(cache: KVTensor, slots: torch.Tensor, x: torch.Tensor) -> None:
