@@ -122,12 +122,11 @@ def capacity_and_decode(args: argparse.Namespace, model: Path) -> dict[str, Any]
     return out
 
 
-def engine_agreement(model: Path, rows: torch.Tensor) -> float:
+def engine_agreement(engines: dict[str, LLMEngine], rows: torch.Tensor) -> float:
     """Top-1 agreement of the int8-cache engine with the float-cache engine, teacher-forced."""
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
     tops = {}
-    for d in DTYPES:
-        engine = make_engine(model, d, CacheConfig(block_size=16, num_blocks=1024), 64)
+    for d, engine in engines.items():
         for i, row in enumerate(rows.tolist()):
             engine.add_request(str(i), row, params)
         got: dict[int, list[int]] = {}
@@ -147,11 +146,13 @@ def quality(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     rounded = AutoModelForCausalLM.from_pretrained(
         model, dtype=torch.float32, attn_implementation=ROUNDED_KV
     ).eval()
+    cache = CacheConfig(block_size=16, num_blocks=1024)
+    engines = {d: make_engine(model, d, cache, 64) for d in DTYPES}
     out = {}
     for name in args.data.split(","):
         rows = held_out(tokenizer, name, args.seq_len)[: args.windows]
         r = divergence(plain, rounded, rows, scored_bytes(tokenizer, rows))
-        r["engine_top1_agreement"] = engine_agreement(model, rows)
+        r["engine_top1_agreement"] = engine_agreement(engines, rows)
         out[name] = r
         print(
             f"{name}: KL {r['kl_mean']:.5f} ± {r['kl_stderr']:.5f}, top-1 {r['top1_agreement']:.2%}"

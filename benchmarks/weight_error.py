@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.dtype_bench import held_out
 from benchmarks.step_bench import resolve_model
-from compress.grids import hqq, rtn
+from compress.grids import Grid, hqq, rtn
 from compress.packed import PackedFormat
 from evals.divergence import divergence, scored_bytes
 
@@ -85,9 +85,8 @@ def _rtn_mse(
     for step in range(int(max_shrink * grid)):
         shrink = 1 - step / grid
         scale = (high - low) * shrink / maxq
-        scale = torch.where(scale == 0, torch.ones_like(scale), scale)[:, None]
-        zero = torch.round(-low[:, None] * shrink / scale)
-        dequantized = ((torch.round(rows / scale) + zero).clamp(0, maxq) - zero) * scale
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        dequantized = Grid(scale, torch.round(-low * shrink / scale), maxq).fake_quantize(rows)
         error = (dequantized - rows).abs().pow(norm).sum(1)
         better = error < best_error
         best_error[better], best[better] = error[better], dequantized[better]
