@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from serve.core.config import KVCacheDtype
+
 INT8_MAX = 127
 TINY = 1e-30
 
@@ -77,19 +79,41 @@ def write_slots(cache: KVTensor, slots: torch.Tensor, x: torch.Tensor) -> None:
         cache.view(-1, x.shape[1], x.shape[2]).index_copy_(0, slots, x)
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    """The model's dtype: what attention computes in."""
+    kv_cache_dtype: KVCacheDtype = "auto"
+    """auto: the cache stores `dtype`; int8: codes and a float32 scale per (token, KV head)."""
+
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv heads x (head dim x dtype bytes, or head dim + a float32
+        scale in int8)."""
+        per_head = (
+            self.head_dim + 4
+            if self.kv_cache_dtype == "int8"
+            else self.head_dim * self.dtype.itemsize
+        )
+        return 2 * self.num_layers * self.num_kv_heads * per_head
+
+    def stored_as(self) -> str:
+        """What the cache holds: int8, or the model's dtype (float32, bfloat16, ...)."""
+        return "int8" if self.kv_cache_dtype == "int8" else str(self.dtype).removeprefix("torch.")
+
+
 def allocate(
-    num_layers: int,
-    shape: tuple[int, int, int, int],
-    dtype: torch.dtype,
-    kv_cache_dtype: str,
-    device: torch.device,
+    layout: KVLayout, num_blocks: int, block_size: int, device: torch.device
 ) -> list[tuple[KVTensor, KVTensor]]:
-    """Per layer a zeroed (K, V) pair of `shape` [num_blocks, block_size, kv_heads, head_dim]."""
+    """Per layer a zeroed (K, V) pair, each [num_blocks, block_size, kv_heads, head_dim]."""
+    shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
 
     def one() -> KVTensor:
-        if kv_cache_dtype == "int8":
+        if layout.kv_cache_dtype == "int8":
             data = torch.zeros(shape, dtype=torch.int8, device=device)
-            return Int8KV(data, torch.ones(shape[:3], device=device), dtype)
-        return torch.zeros(shape, dtype=dtype, device=device)
+            return Int8KV(data, torch.ones(shape[:3], device=device), layout.dtype)
+        return torch.zeros(shape, dtype=layout.dtype, device=device)
 
-    return [(one(), one()) for _ in range(num_layers)]
+    return [(one(), one()) for _ in range(layout.num_layers)]

@@ -9,7 +9,6 @@ token), through the model's own head (`logits_to_keep`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +17,11 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from compress.artifact import check_intact
 from compress.load_spec import load_model as load_artifact
-from serve.core.config import ATTENTION_BACKENDS, CacheConfig, ModelConfig
+from serve.core.config import ATTENTION_BACKENDS, CacheConfig, KVCacheDtype, ModelConfig
 from serve.core.scheduler import SchedulerOutput
 from serve.lora.layers import StepSlots, lora_step_context
 from serve.lora.manager import AdapterManager, LoraConfig
-from serve.model import cpu_attention, kv_cache
+from serve.model import cpu_attention
 from serve.model.attention import (
     ATTENTION_NAME,
     AttentionBackend,
@@ -31,6 +30,7 @@ from serve.model.attention import (
     step_context,
 )
 from serve.model.compilation import CompiledForward, CompileReport, warm_up
+from serve.model.kv_cache import KVLayout, allocate
 from serve.model.step_inputs import StepInputs, build_step_inputs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,32 +88,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-@dataclass(frozen=True)
-class KVLayout:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    """The model's dtype: what attention computes in."""
-    kv_cache_dtype: str = "auto"
-    """auto: the cache stores `dtype`; int8: codes and a float32 scale per (token, KV head)."""
-
-    def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv heads x (head dim x dtype bytes, or head dim + a float32
-        scale in int8)."""
-        per_head = (
-            self.head_dim + 4
-            if self.kv_cache_dtype == "int8"
-            else self.head_dim * self.dtype.itemsize
-        )
-        return 2 * self.num_layers * self.num_kv_heads * per_head
-
-    def stored_as(self) -> str:
-        """What the cache holds: int8, or the model's dtype (float32, bfloat16, ...)."""
-        return "int8" if self.kv_cache_dtype == "int8" else str(self.dtype).removeprefix("torch.")
-
-
-def kv_layout(model: PreTrainedModel, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVLayout:
+def kv_layout(
+    model: PreTrainedModel, dtype: torch.dtype, kv_cache_dtype: KVCacheDtype = "auto"
+) -> KVLayout:
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -172,10 +149,7 @@ class ModelRunner:
         self.layout = kv_layout(model, model.dtype, cache.kv_cache_dtype)
         self.backend = make_backend(backend, model, device, self.layout)
         self.num_blocks = self._num_blocks(cache)
-        shape = (self.num_blocks, cache.block_size, self.layout.num_kv_heads, self.layout.head_dim)
-        self.kv_caches = kv_cache.allocate(
-            self.layout.num_layers, shape, self.layout.dtype, cache.kv_cache_dtype, device
-        )
+        self.kv_caches = allocate(self.layout, self.num_blocks, cache.block_size, device)
         self.adapters = AdapterManager(model, lora, device, self.layout.dtype) if lora else None
         """The LoRA layers wrapped around the model's linears and their device slots."""
         self.call_model: Callable[..., Any] = model
