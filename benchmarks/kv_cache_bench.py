@@ -14,7 +14,8 @@ int8, in one process, systems alternating round by round:
 - decode: seconds per step of `--decode-batch` sequences (128-token contexts) with ample KV;
 - one warm-up pass of both, not counted, then `--rounds` rounds;
 - quality: the float32 model with keys and values rounded to int8 exactly as the cache stores
-  them (`quantize_int8` per token and KV head, then attention over the dequantized values)
+  them (`evals.int8_kv`: `quantize_int8` per token and KV head, then SDPA over the dequantized
+  values)
   against the plain model on held-out windows (`evals.divergence`: KL, top-1 agreement,
   perplexity, standard errors over windows), and the engine's own top-1 agreement on the same
   windows (teacher-forced prompt logprobs, int8 against float cache) as a check that the engine
@@ -32,36 +33,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.dtype_bench import held_out
 from benchmarks.engine_bench import Workload, run_engine
 from benchmarks.step_bench import engine_decode_step, resolve_model
 from evals.divergence import divergence, scored_bytes
+from evals.int8_kv import int8_kv_attention
 from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.http.flags import parse_size
-from serve.model.kv_cache import dequantize_int8, quantize_int8
 
 DTYPES = ("auto", "int8")
-ROUNDED_KV = "int8_rounded_kv_sdpa"
-
-
-def _rounded_kv_attention(module: Any, query: Any, key: Any, value: Any, *args: Any, **kw: Any):
-    """SDPA over keys and values rounded to int8 per token and KV head, as the cache stores them."""
-
-    def rounded(x: torch.Tensor) -> torch.Tensor:
-        return dequantize_int8(*quantize_int8(x), x.dtype)
-
-    return sdpa_attention_forward(module, query, rounded(key), rounded(value), *args, **kw)
-
-
-AttentionInterface.register(ROUNDED_KV, _rounded_kv_attention)
-AttentionMaskInterface.register(ROUNDED_KV, sdpa_mask)
-"""NOTE: without a mask function of its own, transformers builds no mask for a custom attention
-name: causal still holds (SDPA's `is_causal`), but Gemma 3's sliding windows would be lost."""
 
 
 def make_engine(model: Path, kv_cache_dtype: str, cache: CacheConfig, seqs: int) -> LLMEngine:
@@ -144,7 +127,7 @@ def quality(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model)
     plain = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     rounded = AutoModelForCausalLM.from_pretrained(
-        model, dtype=torch.float32, attn_implementation=ROUNDED_KV
+        model, dtype=torch.float32, attn_implementation=int8_kv_attention()
     ).eval()
     cache = CacheConfig(block_size=16, num_blocks=1024)
     engines = {d: make_engine(model, d, cache, 64) for d in DTYPES}

@@ -1,4 +1,4 @@
-"""What a built variant records about itself (`workbench.json`), and a variant as a run hands it on.
+"""What a built variant records about itself (`workbench.json`).
 
 Model: the pipeline writes one `Manifest` per finished artifact; everything after the build (the
 evals, the report, the CLI's table) reads the typed value, never the file's keys. Readers that
@@ -9,9 +9,8 @@ which tolerates manifests of older workbenches.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -91,15 +90,3 @@ class Manifest(Record):
             return cls.from_json(json.loads((path / MANIFEST).read_text()))
         except (FileNotFoundError, json.JSONDecodeError, ValidationError):
             return None
-
-
-@dataclass(frozen=True)
-class VariantResult:
-    """A variant as a run hands it on: where it is and what its manifest says."""
-
-    name: str
-    path: Path
-    status: Literal["built", "reused"]
-    manifest: Manifest
-    rebuilt_because: str | None = None
-    """Why an artifact with the right hash was rebuilt instead of reused (its files changed)."""

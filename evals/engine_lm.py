@@ -41,7 +41,7 @@ LM_EVAL_EXTRAS = {"batch_size", "max_batch_size", "device"}
 class EngineLM(TemplateLM):
     """lm-eval's `workbench` model: `python -m evals.engine_lm run --model workbench
     --model_args pretrained=DIR[,dtype=float32,max_length=N,lora=ADAPTER_DIR,kv_cache=256MiB,
-    max_num_batched_tokens=N] --tasks ...` (lm-eval's own CLI with this module imported, which
+    kv_cache_dtype=auto|int8,max_num_batched_tokens=N] --tasks ...` (lm-eval's own CLI with this module imported, which
     registers the name)."""
 
     def __init__(
@@ -51,6 +51,7 @@ class EngineLM(TemplateLM):
         max_length: int | None = None,
         lora: str | Path | None = None,
         kv_cache: str = "256MiB",
+        kv_cache_dtype: str = "auto",
         max_num_batched_tokens: int = 2048,
         add_bos_token: bool | None = None,
         **lm_eval_extras: Any,
@@ -62,13 +63,16 @@ class EngineLM(TemplateLM):
         if unknown:
             raise TypeError(
                 f"workbench model: unknown model_args {unknown}; allowed: pretrained, dtype, "
-                "max_length, lora, kv_cache, max_num_batched_tokens, add_bos_token"
+                "max_length, lora, kv_cache, kv_cache_dtype, max_num_batched_tokens, add_bos_token"
             )
 
         scheduler = SchedulerConfig(max_num_batched_tokens=int(max_num_batched_tokens))
         self.llm = LLM(
             ModelConfig(str(pretrained), dtype=dtype),  # type: ignore[arg-type]
-            cache=CacheConfig(kv_cache_bytes=parse_size(str(kv_cache))),
+            cache=CacheConfig(
+                kv_cache_bytes=parse_size(str(kv_cache)),
+                kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]  # checked by CacheConfig
+            ),
             scheduler=scheduler,
             loras={"eval": lora} if lora else None,
         )

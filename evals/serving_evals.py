@@ -1,8 +1,9 @@
 """Serving measurements of a recipe's variants: the load benchmark, chat answers and the server
 check, each against `python -m serve` in a subprocess.
 
-Model: one server per model; an adapter variant is measured on its base's server, hot-loaded
-over HTTP (`/v1/load_lora_adapter`), benchmarked under its own name and unloaded before the next
+Model: one server per model and `serve:` settings (a variant served with an int8 KV cache gets
+a server of its own beside the plain one's); an adapter variant is measured on its base's server
+(with the adapter's `serve:` settings), hot-loaded over HTTP (`/v1/load_lora_adapter`), benchmarked under its own name and unloaded before the next
 one is loaded. A server starts only when something of its session must be measured.
 """
 
@@ -17,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from compress.artifact import artifact_from_manifest
-from compress.manifest import VariantResult
 from compress.record import Record
 from evals import stored
 from evals.results import ChatAnswer, LoadResult, ServerCheck
-from evals.settings import Evals, LoadEval
+from evals.settings import Evals, LoadEval, ServeSettings
+from evals.variant import VariantResult
 from evals.variant_evals import Measurements, eval_max_length, load_model
 
 
@@ -32,6 +33,7 @@ class ServerSession:
 
     model_path: Path
     model_variant: VariantResult | None
+    serve: ServeSettings
     adapters: list[VariantResult] = field(default_factory=list)
 
     @property
@@ -40,15 +42,16 @@ class ServerSession:
 
 
 def server_sessions(results: list[VariantResult]) -> list[ServerSession]:
-    sessions: dict[Path, ServerSession] = {}
+    sessions: dict[tuple[Path, ServeSettings], ServerSession] = {}
     for r in results:
         if r.manifest.kind != "adapter":
-            sessions.setdefault(r.path.resolve(), ServerSession(r.path, r))
+            sessions.setdefault((r.path.resolve(), r.serve), ServerSession(r.path, r, r.serve))
     for r in results:
         if r.manifest.kind == "adapter":
             base = artifact_from_manifest(r.path).base
             assert base is not None, f"{r.path}: an adapter's manifest names its base"
-            session = sessions.setdefault(base.resolve(), ServerSession(base, None))
+            key = (base.resolve(), r.serve)
+            session = sessions.setdefault(key, ServerSession(base, None, r.serve))
             session.adapters.append(r)
     return list(sessions.values())
 
@@ -61,11 +64,12 @@ def _adapter_rank(path: Path) -> int:
 
 
 def serve_flags(evals: Evals, session: ServerSession) -> list[str]:
-    """The server's flags: the recipe's KV budget, a running cap above the ramp, and a context
-    long enough for the ramp's requests and the server check's windows (lm-eval's + 2)."""
+    """The server's flags: the recipe's KV budget, the session's `serve:` settings, a running cap
+    above the ramp, and a context long enough for the ramp's requests and the server check's
+    windows (lm-eval's + 2)."""
     load = evals.load
     assert load is not None
-    flags = ["--max-num-seqs", str(load.max_num_seqs)]
+    flags = ["--max-num-seqs", str(load.max_num_seqs), *session.serve.flags()]
     if load.kv_cache_memory:
         flags += ["--kv-cache-memory", load.kv_cache_memory]
     longest = max(load.prompt_len) + load.max_tokens
@@ -97,7 +101,7 @@ def _chat_length(evals: Evals, model_path: Path) -> int:
 
 
 def load_key(load: LoadEval, variant: VariantResult) -> str:
-    return stored.key(variant.manifest.hash, load.model_dump(mode="json"))
+    return stored.key(variant.manifest.hash, load.model_dump(mode="json"), *variant.serve.key())
 
 
 def _sweep(url: str, load: LoadEval, model: str) -> LoadResult:
@@ -133,7 +137,9 @@ class StoredAnswers(Record):
 
 
 def _answers_key(evals: Evals, variant: VariantResult) -> str:
-    return stored.key(variant.manifest.hash, evals.chat_prompts, evals.chat_max_tokens)
+    return stored.key(
+        variant.manifest.hash, evals.chat_prompts, evals.chat_max_tokens, *variant.serve.key()
+    )
 
 
 def _answers_path(work_dir: Path, variant: VariantResult) -> Path:
@@ -242,7 +248,9 @@ def _server_check(
     docs = evals.server_check_docs
     if not evals.quality or docs == 0:
         return None
-    key = stored.key(variant.manifest.hash, evals.quality_key(), evals.max_length, docs)
+    key = stored.key(
+        variant.manifest.hash, evals.quality_key(), evals.max_length, docs, *variant.serve.key()
+    )
     path = work_dir / "evals" / variant.name / "server_check.json"
     found = None if force else stored.lookup(path, key, ServerCheck)
     if found is not None:

@@ -21,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from serve.core.config import KVCacheDtype  # engine-core bookkeeping: loads no torch
+
 Slug = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)]
 
 
@@ -74,6 +76,31 @@ class LoadEval(_Strict):
     slo_search_steps: PositiveInt = Field(default=6, le=20)
     """Rates measured by the SLO search per prompt length (doubling or halving from the ramp's
     peak request throughput, then bisecting)."""
+
+
+class ServeSettings(_Strict):
+    """How the bundled server serves a variant beyond its weights (a variant's `serve:`). The
+    variant is its artifact served this way, so every figure of it is measured so: its load
+    ramp on a server started with these flags, its lm-eval scores and divergence through the
+    same arithmetic (`evals.int8_kv`). Settings left at their defaults change no stored key."""
+
+    kv_cache_dtype: KVCacheDtype = "auto"
+    """The server's `--kv-cache-dtype`: `int8` stores keys and values as int8 codes with a
+    float32 scale per token and KV head (about 4x the float32 tokens in the same budget)."""
+
+    def flags(self) -> list[str]:
+        """The server flags these settings add."""
+        return [] if self.kv_cache_dtype == "auto" else ["--kv-cache-dtype", self.kv_cache_dtype]
+
+    def key(self) -> list[Any]:
+        """The settings as JSON values for stored-result keys; [] at the defaults, so a plain
+        variant's stored results keep their keys."""
+        changed = self.model_dump(mode="json", exclude_defaults=True)
+        return [changed] if changed else []
+
+    def describe(self) -> str:
+        """`serve(kv int8)`, or "" at the defaults."""
+        return "" if self.kv_cache_dtype == "auto" else f"serve(kv {self.kv_cache_dtype})"
 
 
 class QualityTask(_Strict):

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from compress.artifact import artifact_from_manifest
-from compress.manifest import VariantResult
 from evals import stored
 from evals.results import (
     ChatAnswer,
@@ -27,6 +26,7 @@ from evals.results import (
     VariantEvals,
 )
 from evals.settings import Evals
+from evals.variant import VariantResult
 
 MAX_DEFAULT_LENGTH = 2048
 
@@ -46,14 +46,17 @@ def eval_max_length(evals: Evals, variant: VariantResult) -> int:
 
 
 def load_model(variant: VariantResult, dtype: str = "float32") -> tuple[Any, Any]:
-    """The variant as lm-eval scores it (an adapter on its base), and its tokenizer."""
+    """The variant as lm-eval scores it (an adapter on its base), attending as its server's KV
+    cache stores keys and values (`evals.int8_kv`), and its tokenizer."""
     import torch
     from transformers import AutoTokenizer
 
     from evals.artifact_eval import load_for_eval
+    from evals.int8_kv import with_kv_cache_dtype
 
     artifact = artifact_from_manifest(variant.path)
     model = load_for_eval(artifact, getattr(torch, dtype))
+    model = with_kv_cache_dtype(model, variant.serve.kv_cache_dtype)
     return model, AutoTokenizer.from_pretrained(variant.path)
 
 
@@ -68,6 +71,7 @@ def engine_lm(variant: VariantResult, evals: Evals, max_length: int) -> Any:
         dtype=evals.quality_dtype(),
         max_length=max_length,
         lora=variant.path if adapter else None,
+        kv_cache_dtype=variant.serve.kv_cache_dtype,
     )
 
 
@@ -102,7 +106,9 @@ def measure_quality(evals: Evals, variant: VariantResult) -> QualityResult:
 def quality(
     evals: Evals, variant: VariantResult, work_dir: Path, force: bool
 ) -> tuple[QualityResult, bool]:
-    key = stored.key(variant.manifest.hash, evals.quality_key(), evals.max_length, "items")
+    key = stored.key(
+        variant.manifest.hash, evals.quality_key(), evals.max_length, "items", *variant.serve.key()
+    )
     path = work_dir / "evals" / variant.name / "quality.json"
     return stored.cached(path, key, force, QualityResult, lambda: measure_quality(evals, variant))
 
@@ -150,8 +156,13 @@ def divergence_result(
     reference = next((r for r in results if settings and r.name == settings.reference), None)
     if settings is None or reference is None:
         return None, False
+    served = [variant.serve.key(), reference.serve.key()]  # [[], []]: both at the defaults
     key = stored.key(
-        variant.manifest.hash, reference.manifest.hash, settings.model_dump(mode="json"), "windows"
+        variant.manifest.hash,
+        reference.manifest.hash,
+        settings.model_dump(mode="json"),
+        "windows",
+        *([served] if any(served) else []),
     )
     path = work_dir / "evals" / variant.name / "divergence.json"
     return stored.cached(

@@ -5,7 +5,9 @@ benchmark scores show no detectable loss against the reference at this n (and wh
 have detected), (2) what each variant costs: its weights against the reference's and every paired
 difference that is detectable, (3) which variants are dominated on weight memory against the
 quality axis (held-out KL), by whom, and which variants were left off that axis because they
-trained or calibrated on its data. Nothing here is written by hand per run: change a number in
+trained or calibrated on its data, (4) with an SLO, the capacity within it, (5) for a variant
+served differently from another with the same weights (an int8 KV cache), how far its KV cache
+and saturation point moved. Nothing here is written by hand per run: change a number in
 report.json and the sentence changes with it.
 """
 
@@ -15,7 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 from reports.comparisons import describe_delta, describe_mde
-from reports.metrics import CAPACITY_RATE
+from reports.metrics import CAPACITY_RATE, SATURATION
 from reports.rows import front
 
 
@@ -43,6 +45,7 @@ class _Run:
             self.by_variant[row["variant"]].append(row)
         self.axis = report.get("quality_axis") or {}
         self.front = report.get("pareto_front") or []
+        self.variants: list[dict[str, Any]] = report["variants"]
 
     def ratio(self, name: str) -> str:
         w, ref = self.weights.get(name), self.weights.get(self.reference or "")
@@ -170,6 +173,35 @@ def _capacity(run: _Run) -> list[str]:
     return out
 
 
+def _saturation(row: dict[str, Any]) -> str:
+    points = SATURATION.values(row)
+    return ", ".join(f"p{n} {c or 'not reached'}" for n, c in points.items()) or "not measured"
+
+
+def _served_differently(run: _Run) -> list[str]:
+    """For each variant served with non-default settings (`serve:`) whose weights another
+    variant serves plainly: its KV tokens and saturation concurrency beside that twin's."""
+    plain = {v["manifest"]["hash"]: v["row"] for v in run.variants if not v.get("serve")}
+    out = []
+    for v in run.variants:
+        twin = plain.get(v["manifest"]["hash"])
+        if not v.get("serve") or twin is None:
+            continue
+        row, settings = v["row"], ", ".join(f"{k} {x}" for k, x in v["serve"].items())
+        tokens, twin_tokens = row.get("kv_tokens"), twin.get("kv_tokens")
+        moved = (
+            f"KV tokens {twin_tokens:,.0f} -> {tokens:,.0f} ({tokens / twin_tokens:.2f}x) in the "
+            "same budget"
+            if tokens and twin_tokens
+            else "KV tokens not measured"
+        )
+        out.append(
+            f"{v['name']} is {twin['variant']}'s weights served with {settings}: {moved}; KV "
+            f"saturation concurrency {_saturation(twin)} -> {_saturation(row)}."
+        )
+    return out
+
+
 def recommendation(report: dict[str, Any]) -> list[str]:
     """The recommendation's sentences, in order."""
     run = _Run(report)
@@ -183,4 +215,4 @@ def recommendation(report: dict[str, Any]) -> list[str]:
         _smallest_without_loss(run),
     ]
     sentences += [_costs(run, name) for name in run.by_variant]
-    return sentences + _dominated(run) + _capacity(run)
+    return sentences + _dominated(run) + _capacity(run) + _served_differently(run)

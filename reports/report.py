@@ -17,9 +17,10 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from compress.manifest import StepRecord, VariantResult
+from compress.manifest import StepRecord
 from evals.results import VariantEvals
 from evals.settings import Evals
+from evals.variant import VariantResult
 from evals.variant_evals import Measurements
 from reports import figures
 from reports.comparisons import compare, reference_name, summary
@@ -94,7 +95,7 @@ def build_report(
     load_settings = settings.load.model_dump(mode="json") if settings.load else None
     measured = {v.name: measurements.of(v.name) for v in variants}
     rows = [
-        variant_row(v.name, v.manifest, measured[v.name])
+        variant_row(v.name, v.manifest, measured[v.name], v.serve)
         | {"serves_in": serves_in(v.path, v.manifest.kind)}
         for v in variants
     ]
@@ -122,6 +123,7 @@ def build_report(
             {
                 "name": v.name,
                 "row": row,
+                "serve": v.serve.model_dump(mode="json", exclude_defaults=True),
                 "manifest": {
                     "kind": v.manifest.kind,
                     "hash": v.manifest.hash,

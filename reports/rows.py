@@ -13,6 +13,7 @@ from typing import Any
 
 from compress.manifest import Manifest
 from evals.results import LoadResult, VariantEvals
+from evals.settings import ServeSettings
 from reports.metrics import (
     CAPACITY_CONC,
     CAPACITY_RATE,
@@ -68,12 +69,16 @@ def load_columns(load: LoadResult | None) -> dict[str, Any]:
     return row
 
 
-def variant_row(name: str, manifest: Manifest, evals: VariantEvals) -> dict[str, Any]:
+def variant_row(
+    name: str, manifest: Manifest, evals: VariantEvals, serve: ServeSettings | None = None
+) -> dict[str, Any]:
+    """`steps` names the variant's steps and how it is served when that is not the default."""
     ev = manifest.eval
+    served = serve.describe() if serve else ""
     row: dict[str, Any] = {
         "variant": name,
         "kind": manifest.kind,
-        "steps": describe_steps(manifest),
+        "steps": " + ".join(filter(None, [describe_steps(manifest), served])),
         "parameters": manifest.parameters,
         "trainable_parameters": (ev.trainable_parameters or None) if ev else None,
         "weight_bytes": ev.bytes_in_memory if ev else None,

@@ -5,7 +5,9 @@ starting from the base's fingerprint. A variant's final artifact lives in `varia
 outputs of earlier steps live in `artifacts/<h_i>/`, shared by variants with a common prefix.
 An artifact whose manifest records the expected hash, and whose files still have the content
 hashes the manifest records, is reused; any other (changed, truncated, missing files) is
-rebuilt, and the result says why. Every
+rebuilt, and the result says why. Variants with the same steps (say, one served with an int8 KV
+cache beside the plain one: they differ only in `serve:`) build once: the later one mirrors the
+other's final artifact (hard links) under its own name. Every
 artifact is written to a temporary dir and renamed into place when complete, under a lock on the
 work dir, so an interrupted run leaves only temporary dirs, which the next run deletes.
 """
@@ -32,6 +34,7 @@ from compress.artifact import (
     count_parameters,
     dir_bytes,
     file_hashes,
+    link_or_copy_tree,
     remove_stale_tmp,
     verify_files,
 )
@@ -43,9 +46,9 @@ from compress.manifest import (
     ParentRef,
     RecipeRef,
     StepRecord,
-    VariantResult,
 )
 from compress.registry import StepError
+from evals.variant import VariantResult
 from workbench.base_model import BaseRef, base_artifact, base_fingerprint
 from workbench.distributed import barrier, is_main, scratch_dir
 from workbench.measure import PeakMemory, package_versions
@@ -186,7 +189,15 @@ class Pipeline:
         barrier()  # every process decides on the same files
         problems: list[str] = []
         if not self.force and (reused := _reusable(final, calls[-1].hash, problems)):
-            return VariantResult(variant.name, final, "reused", reused)
+            return VariantResult(variant.name, final, "reused", reused, serve=variant.serve)
+        if not self.force and (twin := self._twin(variant.name, calls[-1].hash)):
+            return VariantResult(
+                variant.name,
+                final,
+                "reused",
+                _mirror(twin, final, variant.name),
+                serve=variant.serve,
+            )
         artifact, parent = base, ParentRef(path=str(base.path), hash=base_hash)
         for i, call in enumerate(calls):
             out = final if i == len(calls) - 1 else self.work_dir / "artifacts" / call.hash
@@ -197,7 +208,16 @@ class Pipeline:
             parent = ParentRef(path=str(out), hash=call.hash)
         manifest = Manifest.read(final)
         assert manifest is not None, f"{final}: written by this run"
-        return VariantResult(variant.name, final, "built", manifest, "; ".join(problems) or None)
+        because = "; ".join(problems) or None
+        return VariantResult(variant.name, final, "built", manifest, because, variant.serve)
+
+    def _twin(self, name: str, expected: str) -> Path | None:
+        """Another variant's intact final artifact with the hash `expected`, if one is built."""
+        for other in sorted((self.work_dir / "variants").glob("*")):
+            skip = other.name == name or other.name.startswith(".")  # itself, or unfinished
+            if not skip and _reusable(other, expected, []) is not None:
+                return other
+        return None
 
     def _apply(
         self,
@@ -308,6 +328,18 @@ def parameter_count(kind: str, path: Path) -> int:
     if kind == "adapter":
         return count_parameters(path)
     return sum(p.numel() for p in _meta_model(path).parameters())
+
+
+def _mirror(twin: Path, final: Path, name: str) -> Manifest:
+    """`twin`'s artifact mirrored into `final` (hard links where possible), its manifest naming
+    the variant `name`; everything else it records (how and when it was built) is the twin's."""
+    found = Manifest.read(twin)
+    assert found is not None, f"{twin}: checked by _twin"
+    manifest = found.model_copy(update={"variant": name})
+    with atomic_dir(final) as tmp:
+        link_or_copy_tree(twin, tmp)
+        manifest.write(tmp)
+    return manifest
 
 
 def _reusable(path: Path, expected: str, problems: list[str]) -> Manifest | None:

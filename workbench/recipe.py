@@ -27,7 +27,7 @@ from pydantic import (
 
 from catalog.data import NAMED
 from compress import STEPS, StepParams
-from evals.settings import Evals, Slug
+from evals.settings import Evals, ServeSettings, Slug
 from workbench.base_model import BaseRef, resolve_base
 from workbench.recipe_errors import RecipeError, format_validation_error
 
@@ -73,6 +73,9 @@ class ReportSettings(_Strict):
 class Variant(_Strict):
     name: Slug
     steps: list[StepSpec] = []  # type: ignore[valid-type]
+    serve: ServeSettings = ServeSettings()
+    """How the variant is served and measured beyond its weights (e.g. `{kv_cache_dtype: int8}`);
+    a variant with the same steps as another builds nothing new."""
 
     def step_calls(self) -> list[tuple[str, StepParams]]:
         """(step name, params) in order; `steps: []` is the identity step."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compress.manifest import VariantResult
+from evals.variant import VariantResult
 from evals.variant_evals import Measurements
 from workbench.base_model import BaseRef
 from workbench.distributed import is_main

@@ -135,14 +135,14 @@ def test_int8_kv_engine_equals_generate_over_keys_and_values_rounded_as_stored(
     arch: str, backend: str, model_dirs: dict[str, Path], cases: list[Case]
 ) -> None:
     """`generate` with attention over keys and values rounded to int8 per token and KV head
-    (`benchmarks.kv_cache_bench`'s attention function) gives the int8-cache engine's tokens."""
+    (`evals.int8_kv`, what the recipe's int8-KV variants are scored with, set on a loaded model
+    as the evals set it) gives the int8-cache engine's tokens."""
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.kv_cache_bench import ROUNDED_KV
+    from evals.int8_kv import with_kv_cache_dtype
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dirs[arch], dtype=torch.float32, attn_implementation=ROUNDED_KV
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
+    model = with_kv_cache_dtype(model, "int8")
     expected = []
     with torch.inference_mode():
         for case in cases[:12]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,7 +149,8 @@ def test_killed_run_leaves_no_half_written_variant(tmp_path: Path, tiny_model_di
 def test_divergence_without_its_reference_in_the_run_is_skipped(tmp_path: Path) -> None:
     """`workbench run --variant int8` builds only int8: the divergence eval, whose reference is
     `base`, is skipped (it used to raise StopIteration)."""
-    from compress.manifest import Manifest, VariantResult
+    from compress.manifest import Manifest
+    from evals.variant import VariantResult
     from evals.variant_evals import Measurements, divergence_result, measure_variants
     from workbench.recipe import load_recipe
 
@@ -179,3 +181,42 @@ def test_the_manifest_file_is_what_its_typed_record_writes(tmp_path: Path) -> No
     assert manifest is not None and manifest.variant == "base" and manifest.eval is None
     written = json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n"
     assert (path / MANIFEST).read_text() == written
+
+
+TWINS = """\
+name: twins
+base: demo-tiny
+variants:
+  - {name: int8, steps: [{quantize: {method: int8-wo}}]}
+  - {name: int8-kv8, steps: [{quantize: {method: int8-wo}}], serve: {kv_cache_dtype: int8}}
+"""
+
+
+def test_a_variant_differing_only_in_serve_settings_mirrors_its_twin(tmp_path: Path) -> None:
+    """Two variants with the same steps (one served with an int8 KV cache) quantize once: the
+    second mirrors the first's artifact with hard links, its manifest naming itself; a twin
+    whose files changed is not mirrored; `force` builds both."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(TWINS)
+    recipe, base = load_recipe(path)
+    results = Pipeline(recipe, base, tmp_path / "work").run()
+    assert [(r.name, r.status) for r in results] == [("int8", "built"), ("int8-kv8", "reused")]
+    assert [r.serve.kv_cache_dtype for r in results] == ["auto", "int8"]
+    first, second = _manifest(tmp_path, "int8"), _manifest(tmp_path, "int8-kv8")
+    assert second["variant"] == "int8-kv8" and second["hash"] == first["hash"]
+    assert {k: v for k, v in second.items() if k != "variant"} == {
+        k: v for k, v in first.items() if k != "variant"
+    }  # how and when it was built: the one build's
+    weights = [
+        tmp_path / "work" / "variants" / n / "model.safetensors" for n in ("int8", "int8-kv8")
+    ]
+    assert weights[0].stat().st_ino == weights[1].stat().st_ino
+    # the twin's weights changed (and the mirror dropped): the second variant builds its own
+    shutil.rmtree(tmp_path / "work" / "variants" / "int8-kv8")
+    weights[0].unlink()
+    weights[0].write_bytes(b"damaged")
+    again = Pipeline(recipe, base, tmp_path / "work").run(only=["int8-kv8"])
+    assert [(r.name, r.status) for r in again] == [("int8-kv8", "built")]
+    assert weights[1].stat().st_ino != weights[0].stat().st_ino and load_file(weights[1])
+    forced = Pipeline(recipe, base, tmp_path / "work", force=True).run()
+    assert [r.status for r in forced] == ["built", "built"]

@@ -15,6 +15,7 @@ base: demo-tiny
 variants:
   - {name: base, steps: []}
   - {name: copy, steps: [{identity: {}}]}
+  - {name: base-kv8, steps: [], serve: {kv_cache_dtype: int8}}
 evals:
   quality: [corpus_ppl]
   load: {concurrency: [1, 4], prompt_len: [64], max_tokens: 8}
@@ -164,6 +165,16 @@ BAD = {
         "evals.batch_size",
         ["less than or equal to 4096"],
     ),
+    "serve kv cache dtype not offered": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, serve: {kv_cache_dtype: fp8}}]\n",
+        "variants[0].serve.kv_cache_dtype",
+        ["found 'fp8'", "'auto' or 'int8'"],
+    ),
+    "serve setting unknown": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a, serve: {block_size: 16}}]\n",
+        "variants[0].serve",
+        ["unknown key 'block_size'", "allowed keys: kv_cache_dtype"],
+    ),
     "not a mapping": ("- just\n- a list\n", "", ["found list", "a recipe is a mapping"]),
     "not yaml": ("name: [unclosed\n", "", ["not valid YAML", "line"]),
 }
@@ -178,8 +189,11 @@ def _write(tmp_path: Path, text: str) -> Path:
 def test_good_recipe_parses(tmp_path: Path) -> None:
     recipe, base = load_recipe(_write(tmp_path, GOOD))
     assert (recipe.name, base.kind, base.name) == ("ok", "demo", "demo-tiny")
-    assert [v.name for v in recipe.variants] == ["base", "copy"]
+    assert [v.name for v in recipe.variants] == ["base", "copy", "base-kv8"]
     assert [n for n, _ in recipe.variants[0].step_calls()] == ["identity"]
+    assert [v.serve.kv_cache_dtype for v in recipe.variants] == ["auto", "auto", "int8"]
+    assert recipe.variants[2].serve.flags() == ["--kv-cache-dtype", "int8"]
+    assert recipe.variants[0].serve.flags() == [] and recipe.variants[0].serve.key() == []
     assert recipe.evals.load is not None and recipe.evals.load.concurrency == [1, 4]
 
 
