@@ -181,10 +181,11 @@ def _saturation(row: dict[str, Any]) -> str:
 def _served_differently(run: _Run) -> list[str]:
     """For each variant served with non-default settings (`serve:`) whose weights another
     variant serves plainly: its KV tokens and saturation concurrency beside that twin's."""
-    plain = {v["manifest"]["hash"]: v["row"] for v in run.variants if not v.get("serve")}
+    hashes = {v["name"]: v.get("manifest", {}).get("hash") for v in run.variants}
+    plain = {hashes[v["name"]]: v["row"] for v in run.variants if not v.get("serve")}
     out = []
     for v in run.variants:
-        twin = plain.get(v["manifest"]["hash"])
+        twin = plain.get(hashes[v["name"]])
         if not v.get("serve") or twin is None:
             continue
         row, settings = v["row"], ", ".join(f"{k} {x}" for k, x in v["serve"].items())

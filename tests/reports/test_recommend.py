@@ -175,3 +175,27 @@ def test_capacity_within_the_slo_is_ranked_and_traded_against_quality() -> None:
     report["variants"][2]["row"]["capacity_rate_p128"] = 2.5  # nf4: slower than int8 now
     text = [s for s in recommendation(report) if s.startswith(label)]
     assert text[0].endswith("KL vs base (corpus, nats): int8, base.")
+
+
+def test_a_variant_served_differently_is_set_beside_its_twin() -> None:
+    """A `serve:` variant with another's weights (same manifest hash) gets one sentence: its KV
+    tokens and saturation beside the twin's, read from the rows; one without a plain twin, none."""
+    report = make_report()
+    for v in report["variants"]:
+        v["manifest"] = {"hash": v["name"]}
+    kv8 = {"variant": "int8-kv8", "weight_bytes": SIZES["int8"], "kl_corpus": 0.012}
+    kv8 |= {"kv_tokens": 4000, "saturation_p64": 64, "saturation_p256": None}
+    int8 = report["variants"][1]["row"]
+    int8 |= {"kv_tokens": 1000, "saturation_p64": 16, "saturation_p256": 4}
+    report["variants"].append(
+        {"name": "int8-kv8", "row": kv8, "serve": {"kv_cache_dtype": "int8"},
+         "manifest": {"hash": "int8"}}
+    )  # fmt: skip
+    served = [s for s in recommendation(report) if s.startswith("int8-kv8 is")]
+    assert served == [
+        "int8-kv8 is int8's weights served with kv_cache_dtype int8: KV tokens 1,000 -> 4,000 "
+        "(4.00x) in the same budget; KV saturation concurrency p64 16, p256 4 -> p64 64, p256 "
+        "not reached."
+    ]
+    report["variants"][-1]["manifest"]["hash"] = "own weights"
+    assert not [s for s in recommendation(report) if s.startswith("int8-kv8 is")]

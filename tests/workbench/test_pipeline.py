@@ -75,9 +75,11 @@ def test_rerun_reuses_and_changes_rebuild(tmp_path: Path) -> None:
     _run(tmp_path)
     created = _manifest(tmp_path, "base")["created"]
     assert _run(tmp_path) == {"base": "reused", "twice": "reused"}
-    changed = RECIPE.replace("{identity: {}}, {identity: {}}", "{identity: {}}")
+    changed = RECIPE.replace(
+        "{identity: {}}, {identity: {}}", "{identity: {}}, {identity: {}}, {identity: {}}"
+    )
     assert _run(tmp_path, changed) == {"base": "reused", "twice": "built"}
-    assert len(_manifest(tmp_path, "twice")["steps"]) == 1
+    assert len(_manifest(tmp_path, "twice")["steps"]) == 3
     assert _run(tmp_path, "seed: 7\n" + changed) == {"base": "built", "twice": "built"}
     assert _run(tmp_path, "seed: 7\n" + changed, force=True) == {"base": "built", "twice": "built"}
     assert _manifest(tmp_path, "base")["created"] >= created
