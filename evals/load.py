@@ -19,6 +19,7 @@ the server's KV budget.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import functools
 import itertools
 import json
@@ -32,7 +33,15 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from evals.results import Capacity, LoadResult, Percentiles, Point, Saturation, ServerInfo
+from evals.results import (
+    Capacity,
+    LoadResult,
+    Percentiles,
+    Point,
+    Saturation,
+    ServerInfo,
+    Sitting,
+)
 from evals.settings import LoadEval
 
 
@@ -295,6 +304,7 @@ def sweep(url: str, load: LoadEval, model: str | None = None) -> LoadResult:
     adapter's name measures it)."""
     from evals.capacity import capacity
 
+    began, started = datetime.datetime.now(datetime.UTC), time.perf_counter()
     info = server_info(url)
     if model is not None:
         info = info.model_copy(update={"model": model})
@@ -342,4 +352,5 @@ def sweep(url: str, load: LoadEval, model: str | None = None) -> LoadResult:
         saturation=saturation,
         rate_points=rate_points or None,
         capacity=capacities or None,
+        measured=Sitting.since(began, time.perf_counter() - started),
     )

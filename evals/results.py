@@ -7,6 +7,10 @@ Each is a `compress.record.Record`: stored in `<work dir>/evals/<variant>/*.json
 
 from __future__ import annotations
 
+import datetime
+import os
+import platform
+from pathlib import Path
 from typing import Any
 
 from compress.record import Omitted, Record
@@ -158,6 +162,47 @@ class Capacity(Record):
     """The search's open-loop points, in the order measured."""
 
 
+class Sitting(Record):
+    """When and on what a measurement ran: figures of one machine drift between sittings (a
+    2-core VM ran a third faster one day than the day before), so only those measured in one
+    sitting compare cleanly."""
+
+    started: str
+    """UTC, ISO 8601 to the second."""
+    seconds: float
+    host: str
+    cpu: str
+    cpu_count: int
+
+    @classmethod
+    def since(cls, started: datetime.datetime, seconds: float) -> Sitting:
+        """A measurement that began at `started` (UTC) and took `seconds`, on this machine."""
+        return cls(
+            started=started.isoformat(timespec="seconds"),
+            seconds=round(seconds, 1),
+            host=platform.node(),
+            cpu=cpu_model(),
+            cpu_count=os.cpu_count() or 0,
+        )
+
+    def start(self) -> datetime.datetime:
+        return datetime.datetime.fromisoformat(self.started)
+
+    def end(self) -> datetime.datetime:
+        return self.start() + datetime.timedelta(seconds=self.seconds)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 class LoadResult(Record):
     server: ServerInfo
     kv_tokens: float | None
@@ -170,6 +215,8 @@ class LoadResult(Record):
     """By prompt length, when an SLO was given."""
     adapter_requests: Omitted[float] = None
     """An adapter variant: requests its server ran with it (proof the adapter, not the base, ran)."""
+    measured: Omitted[Sitting] = None
+    """When and where the load ran (None: stored by a workbench that did not record it)."""
 
     def every_point(self) -> list[Point]:
         """The ramp's points, then the open-loop ones, then the SLO searches'."""

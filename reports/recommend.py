@@ -46,6 +46,7 @@ class _Run:
         self.axis = report.get("quality_axis") or {}
         self.front = report.get("pareto_front") or []
         self.variants: list[dict[str, Any]] = report["variants"]
+        self.sittings: list[dict[str, Any]] = report.get("load_sittings") or []
 
     def ratio(self, name: str) -> str:
         w, ref = self.weights.get(name), self.weights.get(self.reference or "")
@@ -163,6 +164,9 @@ def _capacity(run: _Run) -> list[str]:
         if missed and rated:
             text += f"; none met it: {', '.join(missed)}"
         text += "."
+        spread = _sittings_of(run, [r["variant"] for r in rated])
+        if spread > 1:
+            text += f" (Measured in {spread} sittings: compare these rates only roughly.)"
         if key and rated:
             best = front([r for r in rated if r["variant"] not in excluded],
                          [(column, False), (key, lower)])  # fmt: skip
@@ -171,6 +175,11 @@ def _capacity(run: _Run) -> list[str]:
             )
         out.append(text)
     return out
+
+
+def _sittings_of(run: _Run, names: list[str]) -> int:
+    """How many of the report's load sittings the variants `names` were measured in."""
+    return sum(bool(set(s["variants"]) & set(names)) for s in run.sittings)
 
 
 def _saturation(row: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from reports.comparisons import describe_delta, describe_mde
 from reports.metrics import GROUPS
+from reports.sittings import sitting_lines
 
 
 def fmt(value: Any, kind: str) -> str:
@@ -162,6 +163,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"({report['comparisons']['adjustment']}.)"]
     lines += ["", front_sentence(report), ""]
     lines += [f"- {s}" for s in saturation_lines(report)]
+    sittings = sitting_lines(report)
+    lines += ["", sittings[0], "", *(f"- {s}" for s in sittings[1:])] if sittings else []
     checks = server_check_lines(report)
     lines += ["", *checks] if checks else []
     for prompt, answers in answer_table(report):
@@ -201,6 +204,10 @@ def html_tables(report: dict[str, Any]) -> str:
         parts.append(_html_table("paired", COMPARISON_HEAD, paired))
         parts.append(f"<p>{html.escape(report['comparisons']['adjustment'])}.</p>")
     parts.append(f"<p id='front'>{html.escape(front_sentence(report))}</p>")
+    sittings = sitting_lines(report)
+    if sittings:
+        items = "".join(f"<li>{html.escape(s)}</li>" for s in sittings[1:])
+        parts.append(f"<p id='sittings'>{html.escape(sittings[0])}</p><ul>{items}</ul>")
     return "".join(parts) + html_answers(report)
 
 

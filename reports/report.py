@@ -4,7 +4,8 @@ recommendation, the grouped tables and the plots), written whole into `reports/<
 `report.json` holds, per variant, its table row, lm-eval results and load benchmark; the columns
 (`reports.metrics`); the paired comparisons against the reference (`reports.comparisons`); the
 quality axis and its Pareto front; the recommendation (`reports.recommend`); the server check;
-how the figures were made (machine, packages).
+how the figures were made (machine, packages) and when the load results were measured
+(`reports.sittings`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from reports.recommend import recommendation
 from reports.render import html_tables, markdown
 from reports.rows import add_recovery, pareto_front, variant_row
 from reports.serves_in import serves_in
+from reports.sittings import load_sittings
 
 SCHEMA = 2
 
@@ -147,6 +149,7 @@ def build_report(
             pareto_front(on_axis, axis["key"], axis["lower_is_better"]) if axis["key"] else []
         ),
     }
+    report["load_sittings"] = load_sittings(report)
     report["recommendation"] = recommendation(report)
     report["problems"] = problems(report)
     return report

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -211,7 +213,13 @@ def test_load_points_and_kv_saturation(small_run: Run) -> None:
             met = [c for c in CONCURRENCY if points[(c, p)]["ttft"]["p95"] <= 2.0]
             assert cap["concurrency"] == max(met)
         assert v["row"]["failed_requests"] == 0
+        measured = v["load"]["measured"]  # when and where: this run, this machine
+        assert measured["host"] == platform.node() and measured["cpu_count"] == os.cpu_count()
+        assert report["created"] >= measured["started"] and 0 < measured["seconds"] < 900
     assert report["problems"] == []
+    # measured back to back: one sitting, which the report leaves unsaid
+    assert [s["variants"] for s in report["load_sittings"]] == [VARIANTS]
+    assert "sittings" not in (small_run.report_dir / "report.md").read_text()
 
 
 def test_server_check_agrees(small_run: Run) -> None:
