@@ -53,6 +53,34 @@ def test_loglikelihoods_equal_hflms_and_contexts_come_from_the_prefix_cache(
     assert sum(1 for c in cached if c > 0) >= 2
 
 
+def test_an_int8_kv_cache_scores_as_hflm_attending_over_int8_rounded_keys_and_values(
+    pair: tuple[EngineLM, HFLM], tiny_model_dir: Path
+) -> None:
+    """`kv_cache_dtype=int8` (a `serve: {kv_cache_dtype: int8}` variant under `backend: engine`)
+    scores what HFLM scores over `evals.int8_kv`'s attention, which the HF backend uses for it;
+    the rounding moves the scores off the float ones."""
+    from evals.int8_kv import with_kv_cache_dtype
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rounded = HFLM(
+        pretrained=with_kv_cache_dtype(model, "int8"),
+        tokenizer=tokenizer,
+        batch_size=4,
+        max_length=MAX_LENGTH,
+    )
+    ours = EngineLM(
+        tiny_model_dir, max_length=MAX_LENGTH, max_num_batched_tokens=64, kv_cache_dtype="int8"
+    )
+    requests = _requests(len(ours.tokenizer))
+    got = ours._loglikelihood_tokens(requests, disable_tqdm=True)
+    want = rounded._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert [g for _, g in got] == [g for _, g in want]
+    assert [s for s, _ in got] == pytest.approx([s for s, _ in want], abs=1e-4)
+    plain = pair[1]._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert max(abs(s - p) for (s, _), (p, _) in zip(got, plain, strict=True)) > 1e-3
+
+
 def test_rolling_loglikelihood_equals_hflms(pair: tuple[EngineLM, HFLM]) -> None:
     ours, theirs = pair
     text = " ".join(f"word{i}" for i in range(120))
