@@ -11,7 +11,8 @@
 - `gguf`: one GGUF file for llama.cpp (`compress.gguf_export`): what the variant quantized in a
   GGML type of its bits (4-bit -> Q4_1, 8-bit -> Q8_0), the rest in its float dtype, or every
   2-D weight in `gguf_type`; tokenizer and chat template in its metadata. Packed variants, float
-  ones and int4-wo (whose bfloat16 weights torchao quantizes at load) export to it.
+  ones and int4-wo (whose bfloat16 weights torchao quantizes at load) export to it. An adapter
+  exports to it as a GGUF LoRA file (`compress.gguf_lora`) for llama.cpp's `--lora`.
 Contract: the export dir appears whole or not at all (written beside it and renamed last); a
 variant whose storage the format cannot express is refused, naming why and what it can export to.
 """
@@ -62,6 +63,8 @@ def export(source: Path, fmt: str, out: Path, gguf_type: str | None = None) -> d
     """Write `source` (a variant dir) as `fmt` into `out` (which must not exist); returns what
     was written: format, files, bytes, and per scheme the modules it holds (for gguf: tensors
     per GGML type). `gguf_type`: the GGML type of a gguf export's weights."""
+    if (source / "adapter_config.json").is_file():
+        return _export_adapter(source, fmt, out, gguf_type)
     spec = _checked(source, fmt, out)
     if gguf_type is not None and fmt != "gguf":
         raise ExportError(f"--gguf-type is for --format gguf, not {fmt}")
@@ -124,6 +127,56 @@ def _export_gguf(spec: LoadSpec, out: Path, gguf_type: str | None) -> dict[str, 
         "schemes": {f"{t} (GGUF)": [f"{n} tensors"] for t, n in counts.items()},
         "gguf_type": gguf_type or "/".join(sorted({rest, *types.values()})),
     }
+
+
+def _export_adapter(source: Path, fmt: str, out: Path, gguf_type: str | None) -> dict[str, Any]:
+    """A PEFT LoRA adapter as a GGUF LoRA file (`compress.gguf_lora`), for llama.cpp's `--lora`
+    on the GGUF export of its base."""
+    from compress.gguf_export import GgufExportError
+    from compress.gguf_lora import LORA_FILE, write_gguf_lora
+
+    if fmt != "gguf":
+        raise ExportError(
+            f"{source}: an adapter is a PEFT dir already (vLLM --enable-lora, transformers and "
+            f"PEFT load it as it is); it exports to gguf (GGUF LoRA for llama.cpp), not {fmt}"
+        )
+    if out.exists():
+        raise ExportError(f"--out: {out} exists; remove it or pass another --out")
+    base = _adapter_base(source)
+    with atomic_dir(out) as tmp:
+        try:
+            counts = write_gguf_lora(source, base, gguf_type or "f32", tmp / LORA_FILE)
+        except GgufExportError as e:
+            raise ExportError(str(e)) from None
+    return {
+        "format": "gguf",
+        "path": str(out / LORA_FILE),
+        "files": [LORA_FILE],
+        "bytes": (out / LORA_FILE).stat().st_size,
+        "schemes": {f"{t} (GGUF LoRA)": [f"{n} tensors"] for t, n in counts.items()},
+        "gguf_type": gguf_type or "f32",
+        "base": str(base),
+    }
+
+
+def _adapter_base(source: Path) -> Path:
+    """The model dir an adapter was trained on: its manifest's parent, else its PEFT config's
+    `base_model_name_or_path` when that is a local dir."""
+    from compress.artifact import artifact_from_manifest
+
+    base = artifact_from_manifest(source).base
+    if base is None:
+        named = json.loads((source / "adapter_config.json").read_text()).get(
+            "base_model_name_or_path"
+        )
+        base = Path(named) if named and Path(named, "config.json").is_file() else None
+    if base is None or not (base / "config.json").is_file():
+        raise ExportError(
+            f"{source}: its base model dir is not found (neither its workbench.json's parent "
+            "nor adapter_config.json's base_model_name_or_path is a local model dir); the "
+            "GGUF LoRA needs the base's architecture"
+        )
+    return base
 
 
 def _checked(source: Path, fmt: str, out: Path) -> LoadSpec:

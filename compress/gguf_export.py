@@ -82,16 +82,9 @@ def write_gguf(
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise GgufExportError(f"{source}: no GGUF name for tensor {hf_name}")
-        data = _permuted(hf_name, tensor.float(), config)
-        qtype = _type_for(gguf, types.get(hf_name, rest), data)
-        array = data.numpy()
-        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            array = array.astype(
-                np.float16 if qtype == gguf.GGMLQuantizationType.F16 else np.float32
-            )
-            writer.add_tensor(name, array)
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        data = permuted(hf_name, tensor.float(), config)
+        qtype = tensor_type(gguf, types.get(hf_name, rest), data)
+        add_tensor(gguf, writer, name, data, qtype)
         counts[qtype.name] = counts.get(qtype.name, 0) + 1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -100,7 +93,18 @@ def write_gguf(
     return counts
 
 
-def _type_for(gguf: Any, wanted: str, data: torch.Tensor) -> Any:
+def add_tensor(gguf: Any, writer: Any, name: str, data: torch.Tensor, qtype: Any) -> None:
+    """`data` (float32) into `writer` as `qtype`: F32 / F16 as arrays, other types quantized by
+    the `gguf` package."""
+    types = gguf.GGMLQuantizationType
+    array = data.contiguous().numpy()
+    if qtype in (types.F32, types.F16):
+        writer.add_tensor(name, array.astype(np.float16 if qtype == types.F16 else np.float32))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+
+def tensor_type(gguf: Any, wanted: str, data: torch.Tensor) -> Any:
     """Norms and other 1-D tensors stay F32; a weight whose rows do not split into the type's
     blocks falls back to F16 (as llama.cpp's converter does)."""
     types = gguf.GGMLQuantizationType
@@ -111,7 +115,7 @@ def _type_for(gguf: Any, wanted: str, data: torch.Tensor) -> Any:
     return qtype if data.shape[-1] % block == 0 else types.F16
 
 
-def _permuted(name: str, weight: torch.Tensor, config: Any) -> torch.Tensor:
+def permuted(name: str, weight: torch.Tensor, config: Any) -> torch.Tensor:
     """Llama's q/k rows reordered from rotate-half pairs to GGML's interleaved pairs."""
     if config.model_type != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
         return weight

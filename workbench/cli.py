@@ -191,6 +191,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out.print(f"{source} -> {info['path']} ({args.format}, {_size(info['bytes'])})")
+    if "base" in info:  # an adapter: llama.cpp applies it to its base's GGUF export
+        out.print(f"  a GGUF LoRA for the base at {info['base']}: llama-cli -m BASE.gguf --lora "
+                  f"{info['path']} (BASE.gguf: `workbench export <base variant> --format gguf`)")  # fmt: skip
     for scheme, modules in info["schemes"].items():
         if args.format == "gguf":
             out.print(f"  {scheme}: {modules[0]}")
@@ -262,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gguf-type",
         choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"],
         help="GGML type of a gguf export's weights (default: the variant's own: 4-bit -> q4_1, "
-        "8-bit -> q8_0, float -> its dtype)",
+        "8-bit -> q8_0, float -> its dtype; an adapter's GGUF LoRA: f32, or f16, bf16, q8_0)",
     )
     p.add_argument(
         "--out", help="the dir to write (default: runs/<recipe>/exports/<name>-<format>)"
