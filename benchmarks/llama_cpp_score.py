@@ -3,7 +3,8 @@ only, no workbench import.
 
 usage: python benchmarks/llama_cpp_score.py DIR
 DIR holds windows.json ({"windows": [[token ids], ...]}) and one folder per variant with
-model.gguf; writes llama.json (per-window mean NLL in nats, top-1 predictions, how many of the
+model.gguf (and, for an adapter variant, adapter.gguf: the GGUF LoRA applied to model.gguf);
+writes llama.json (per-window mean NLL in nats, top-1 predictions, how many of the
 texts llama.cpp tokenizes into the given ids, the GGUF's pre-tokenizer name) and
 llama_logits.npy (float16 logits of the first windows, as many as ours_logits.npy holds) into
 each variant's folder.
@@ -32,8 +33,10 @@ def main() -> int:
     for folder in sorted(p for p in root.iterdir() if (p / "model.gguf").is_file()):
         kept = np.load(folder / "ours_logits.npy").shape[0]
         started = time.perf_counter()
+        lora = folder / "adapter.gguf"
         llm = Llama(
             str(folder / "model.gguf"),
+            lora_path=str(lora) if lora.is_file() else None,
             n_ctx=max(len(w) for w in windows) + 8,
             n_batch=512,
             logits_all=True,

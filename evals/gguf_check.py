@@ -4,7 +4,9 @@
 each variant as GGUF (its own default type) into DIR/<name>/, cuts held-out windows of the demo
 corpus's validation split with the variant's tokenizer, and stores per window the variant's mean
 NLL (transformers on the variant, as the evals load it) and the GGUF export's (transformers'
-GGUF loader), plus the variant's logits on the first windows.
+GGUF loader), plus the variant's logits on the first windows. An adapter variant exports as its
+base's GGUF (float32) plus the adapter's GGUF LoRA (`adapter.gguf`), which llama.cpp applies
+(`--lora`); transformers has no GGUF LoRA loader, so that route is left out for it.
 `python benchmarks/llama_cpp_score.py DIR` (llama.cpp's venv) scores the same windows.
 `python -m evals.gguf_check compare DIR` prints per variant: perplexity through each route,
 llama.cpp's perplexity over the variant's, KL(variant || llama.cpp), top-1 agreement, and how
@@ -24,9 +26,10 @@ import numpy as np
 import torch
 
 from catalog.data import NAMED
+from compress.artifact import artifact_from_manifest
 from compress.export import export
 from compress.gguf_export import GGUF_FILE
-from compress.load_spec import load_model
+from evals.artifact_eval import load_for_eval
 
 KEPT_LOGITS = 4
 """Windows whose full logits are kept for the KL (a 49k vocabulary: 25 MB per window pair)."""
@@ -87,18 +90,34 @@ def prepare(out: Path, variants: list[Path], count: int, seq_len: int) -> None:
     (out / "windows.json").write_text(json.dumps({"windows": windows, "texts": texts}))
     for variant in variants:
         folder = out / variant.name
+        adapter = (variant / "adapter_config.json").is_file()
         if not (folder / "export.json").is_file():
-            info = export(variant, "gguf", folder)
+            info = _export_adapter(variant, folder) if adapter else export(variant, "gguf", folder)
             (folder / "export.json").write_text(json.dumps(info))
             print(f"{variant.name}: exported {info['gguf_type']} ({info['bytes'] / 1e6:.0f} MB)")
         gguf_type = json.loads((folder / "export.json").read_text())["gguf_type"]
-        ours, logits = score(load_model(variant), windows)
-        imported = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE).eval()
-        via_gguf, _ = score(imported, windows)
+        ours, logits = score(load_for_eval(artifact_from_manifest(variant)), windows)
+        via_gguf = None
+        if not adapter:
+            imported = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE).eval()
+            via_gguf, _ = score(imported, windows)
         np.save(folder / "ours_logits.npy", logits)
         record = {"nll": ours, "gguf_nll": via_gguf, "gguf_type": gguf_type}
         (folder / "ours.json").write_text(json.dumps(record))
         print(f"{variant.name}: scored {len(windows)} windows (variant, transformers GGUF import)")
+
+
+def _export_adapter(variant: Path, folder: Path) -> dict:
+    """The adapter's GGUF LoRA beside its base's float32 GGUF, in `folder`."""
+    from compress.gguf_lora import LORA_FILE
+
+    lora = export(variant, "gguf", folder / "lora")
+    base = export(Path(lora["base"]), "gguf", folder / "base", "f32")
+    (folder / "lora" / LORA_FILE).rename(folder / LORA_FILE)
+    (folder / "base" / GGUF_FILE).rename(folder / GGUF_FILE)
+    for sub in ("lora", "base"):
+        (folder / sub).rmdir()
+    return {**lora, "bytes": lora["bytes"] + base["bytes"], "gguf_type": "f32 base + f32 LoRA"}
 
 
 def compare(out: Path) -> None:
@@ -112,9 +131,9 @@ def compare(out: Path) -> None:
     for folder in sorted(p for p in out.iterdir() if (p / "llama.json").is_file()):
         ours = json.loads((folder / "ours.json").read_text())
         llama = json.loads((folder / "llama.json").read_text())
-        p_ours, p_gguf, p_llama = (
-            math.exp(sum(x) / len(x)) for x in (ours["nll"], ours["gguf_nll"], llama["nll"])
-        )
+        p_ours, p_llama = (math.exp(sum(x) / len(x)) for x in (ours["nll"], llama["nll"]))
+        via = ours["gguf_nll"]
+        p_gguf = f"{math.exp(sum(via) / len(via)):.3f}" if via else "n/a (a GGUF LoRA)"
         a = np.load(folder / "ours_logits.npy").astype(np.float32)[:, :-1]
         b = np.load(folder / "llama_logits.npy").astype(np.float32)[:, :-1]
         la = torch.from_numpy(a).log_softmax(-1)
@@ -125,7 +144,7 @@ def compare(out: Path) -> None:
         )
         size = (folder / GGUF_FILE).stat().st_size / 1e6
         print(
-            f"| {folder.name} | {size:.0f} | {p_ours:.3f} | {p_gguf:.3f} | {p_llama:.3f} | "
+            f"| {folder.name} | {size:.0f} | {p_ours:.3f} | {p_gguf} | {p_llama:.3f} | "
             f"{p_llama / p_ours:.4f} | {kl:.4f} | {agree:.1%} | {_alike(llama)} |"
         )
     print(
