@@ -1,9 +1,10 @@
 """A transformers model computing what the engine computes with an int8 KV cache, so a variant
 served with `kv_cache_dtype: int8` is scored (lm-eval through HFLM, divergence) as it serves.
 
-Model: the engine stores each key and value as `quantize_int8` codes (per token and KV head) and
-attends over their dequantized values (`serve/model/kv_cache.py`); this attention rounds the
-keys and values through the same two functions, then runs transformers' SDPA attention. The
+Model: the engine stores each key and value as `quantize_int8` codes (per token and KV head),
+keys of a layer with a `k_norm` divided by its `key_smoothing` first, and attends over their
+dequantized values (`serve/model/kv_cache.py`); this attention rounds the keys and values through
+the same functions, then runs transformers' SDPA attention. The
 engine's greedy tokens equal `generate`'s over this attention (tests/serve/test_kv_cache_int8.py).
 """
 
@@ -17,12 +18,18 @@ INT8_KV_ATTENTION = "workbench_int8_kv_sdpa"
 def _int8_kv_attention(module: Any, query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> Any:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from serve.model.kv_cache import dequantize_int8, quantize_int8
+    from serve.model.kv_cache import dequantize_int8, key_smoothing, quantize_int8
 
-    def rounded(x: Any) -> Any:
-        return dequantize_int8(*quantize_int8(x), x.dtype)
+    def rounded(x: Any, smoothing: Any = None) -> Any:
+        if smoothing is None:
+            return dequantize_int8(*quantize_int8(x), x.dtype)
+        smoothing = smoothing.to(x.device)
+        return (dequantize_int8(*quantize_int8(x.float() / smoothing), x.dtype) * smoothing).to(
+            x.dtype
+        )
 
-    return sdpa_attention_forward(module, query, rounded(key), rounded(value), *args, **kw)
+    keys = rounded(key, key_smoothing(module))
+    return sdpa_attention_forward(module, query, keys, rounded(value), *args, **kw)
 
 
 def int8_kv_attention() -> str:

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from serve.core.config import KVCacheDtype  # engine-core bookkeeping: loads no torch
+from serve.core.config import INT8_KV_VERSION, KVCacheDtype  # engine-core: loads no torch
 
 Slug = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)]
 
@@ -96,6 +96,8 @@ class ServeSettings(_Strict):
         """The settings as JSON values for stored-result keys; [] at the defaults, so a plain
         variant's stored results keep their keys."""
         changed = self.model_dump(mode="json", exclude_defaults=True)
+        if self.kv_cache_dtype == "int8":
+            changed["int8_kv_version"] = INT8_KV_VERSION
         return [changed] if changed else []
 
     def describe(self) -> str:

@@ -83,6 +83,9 @@ class SchedulerConfig:
 
 
 KVCacheDtype = Literal["auto", "int8"]
+INT8_KV_VERSION = 2
+"""What the int8 cache computes (2: keys of layers with a k_norm smoothed per channel); stored
+evaluations of int8-KV variants carry it, so a change measures them again."""
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,8 @@ class PagedCPUBackend(SDPABackend):
         if isinstance(k_cache, Int8KV) and isinstance(v_cache, Int8KV):
             functions = _INT8_FUNCTIONS
             caches = [k_cache.data, v_cache.data, k_cache.scales, v_cache.scales]
+            if k_cache.smoothing is not None:  # keys stored divided by it: q . k unchanged
+                q = q * k_cache.smoothing.to(q.dtype)
         elif isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
             caches = [k_cache, v_cache] if k_cache.dtype == q.dtype else []
         if q.device.type != "cpu" or q.dtype not in functions or not caches:

@@ -30,7 +30,7 @@ from serve.model.attention import (
     step_context,
 )
 from serve.model.compilation import CompiledForward, CompileReport, warm_up
-from serve.model.kv_cache import KVLayout, allocate
+from serve.model.kv_cache import KVLayout, allocate, layer_key_smoothing
 from serve.model.step_inputs import StepInputs, build_step_inputs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -149,7 +149,8 @@ class ModelRunner:
         self.layout = kv_layout(model, model.dtype, cache.kv_cache_dtype)
         self.backend = make_backend(backend, model, device, self.layout)
         self.num_blocks = self._num_blocks(cache)
-        self.kv_caches = allocate(self.layout, self.num_blocks, cache.block_size, device)
+        smoothing = layer_key_smoothing(model) if cache.kv_cache_dtype == "int8" else None
+        self.kv_caches = allocate(self.layout, self.num_blocks, cache.block_size, device, smoothing)
         self.adapters = AdapterManager(model, lora, device, self.layout.dtype) if lora else None
         """The LoRA layers wrapped around the model's linears and their device slots."""
         self.call_model: Callable[..., Any] = model

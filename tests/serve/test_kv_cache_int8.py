@@ -129,10 +129,72 @@ def test_int8_kv_fits_4d_over_d_plus_4_times_the_float32_tokens_in_the_same_budg
     assert cache_bytes == int8.runner.kv_bytes <= budget
 
 
+@pytest.fixture(scope="module")
+def int8_model_dirs(
+    model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """The test models, and the tiny Gemma 3 with key-norm gains like Gemma 3 270M's (a few
+    channels 20x the rest), so its keys are stored smoothed (`key_smoothing` is 1 at the
+    norms' initial zero weights)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("gemma3-outlier-keys")
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["gemma3"], dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            weight = layer.self_attn.k_norm.weight
+            weight.copy_(torch.randn_like(weight) * 0.3)
+            weight[[3, 11]] = torch.tensor([19.0, -25.0])
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dirs["gemma3"]).save_pretrained(out)
+    return {**model_dirs, "gemma3-outlier-keys": out}
+
+
+def test_key_smoothing_is_the_key_norms_gain_per_rotary_pair_in_powers_of_two(
+    int8_model_dirs: dict[str, Path],
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from serve.model.kv_cache import layer_key_smoothing
+
+    gemma = AutoModelForCausalLM.from_pretrained(int8_model_dirs["gemma3-outlier-keys"])
+    smoothing = layer_key_smoothing(gemma)
+    assert sorted(smoothing) == [0, 1]
+    gain = (1 + gemma.model.layers[0].self_attn.k_norm.weight.detach()).abs()  # Gemma: 1 + w
+    pair = ((gain[:8] ** 2 + gain[8:] ** 2) / 2).sqrt()
+    want = torch.exp2(torch.round(torch.log2(pair)))
+    assert torch.equal(smoothing[0], torch.cat([want, want]))
+    assert smoothing[0][3] == smoothing[0][11] == 16.0  # the outlier pairs: sqrt(400 / 2), 26
+    llama = AutoModelForCausalLM.from_pretrained(int8_model_dirs["llama"])
+    assert layer_key_smoothing(llama) == {0: None, 1: None}  # no k_norm: stored as they are
+
+
+def test_smoothed_keys_round_closer_where_a_few_channels_dominate() -> None:
+    """Keys with two channels 16x the rest: stored divided by the smoothing, the other channels'
+    rounding error falls by an order of magnitude (one scale per vector no longer spans the
+    dominant two), the whole vector's by half."""
+    torch.manual_seed(0)
+    smoothing = torch.ones(32)
+    smoothing[[2, 18]] = 16.0
+    keys = torch.randn(40, 2, 32) * smoothing
+    rest = smoothing == 1
+    errors = []
+    for smooth in (None, smoothing):
+        cache = Int8KV(
+            torch.zeros(5, 8, 2, 32, dtype=torch.int8), torch.ones(5, 8, 2), torch.float32, smooth
+        )
+        write_slots(cache, torch.arange(40), keys)
+        error = cache.index_select(0, torch.arange(5)).flatten(0, 1) - keys
+        errors.append((error[..., rest].pow(2).mean().sqrt(), error.pow(2).mean().sqrt()))
+    (plain_rest, plain_all), (smooth_rest, smooth_all) = errors
+    assert smooth_rest < plain_rest / 6 and smooth_all < plain_all * 0.6, errors
+
+
 @pytest.mark.parametrize("backend", [PAGED_CPU, "sdpa"])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma3-outlier-keys"])
 def test_int8_kv_engine_equals_generate_over_keys_and_values_rounded_as_stored(
-    arch: str, backend: str, model_dirs: dict[str, Path], cases: list[Case]
+    arch: str, backend: str, int8_model_dirs: dict[str, Path], cases: list[Case]
 ) -> None:
     """`generate` with attention over keys and values rounded to int8 per token and KV head
     (`evals.int8_kv`, what the recipe's int8-KV variants are scored with, set on a loaded model
@@ -141,7 +203,7 @@ def test_int8_kv_engine_equals_generate_over_keys_and_values_rounded_as_stored(
 
     from evals.int8_kv import with_kv_cache_dtype
 
-    model = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(int8_model_dirs[arch], dtype=torch.float32).eval()
     model = with_kv_cache_dtype(model, "int8")
     expected = []
     with torch.inference_mode():
@@ -149,7 +211,7 @@ def test_int8_kv_engine_equals_generate_over_keys_and_values_rounded_as_stored(
             ids = torch.tensor([case.prompt])
             out = model.generate(ids, max_new_tokens=case.max_tokens, do_sample=False)
             expected.append(out[0, ids.shape[1] :].tolist())
-    outputs = run(make_engine(model_dirs[arch], backend=backend, num_blocks=512), cases[:12])
+    outputs = run(make_engine(int8_model_dirs[arch], backend=backend, num_blocks=512), cases[:12])
     assert_equal(outputs, expected, list(range(12)))
 
 
