@@ -161,8 +161,5 @@ def allocate(
 
 def layer_key_smoothing(model: torch.nn.Module) -> dict[int, torch.Tensor | None]:
     """`key_smoothing` of each attention layer of a transformers model, by `layer_idx`."""
-    return {
-        int(m.layer_idx): key_smoothing(m)
-        for m in model.modules()
-        if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "k_proj")
-    }
+    layers = ((getattr(m, "layer_idx", None), m) for m in model.modules() if hasattr(m, "k_proj"))
+    return {i: key_smoothing(m) for i, m in layers if isinstance(i, int)}
