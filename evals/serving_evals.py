@@ -3,8 +3,9 @@ check, each against `python -m serve` in a subprocess.
 
 Model: one server per model and `serve:` settings (a variant served with an int8 KV cache gets
 a server of its own beside the plain one's); an adapter variant is measured on its base's server
-(with the adapter's `serve:` settings), hot-loaded over HTTP (`/v1/load_lora_adapter`), benchmarked under its own name and unloaded before the next
-one is loaded. A server starts only when something of its session must be measured.
+(with the adapter's `serve:` settings), hot-loaded over HTTP (`/v1/load_lora_adapter`),
+benchmarked under its own name and unloaded before the next one is loaded. A server starts only
+when something of its session must be measured.
 """
 
 from __future__ import annotations

@@ -191,13 +191,12 @@ class Pipeline:
         if not self.force and (reused := _reusable(final, calls[-1].hash, problems)):
             return VariantResult(variant.name, final, "reused", reused, serve=variant.serve)
         if not self.force and (twin := self._twin(variant.name, calls[-1].hash)):
-            return VariantResult(
-                variant.name,
-                final,
-                "reused",
-                _mirror(twin, final, variant.name),
-                serve=variant.serve,
-            )
+            if is_main():  # the others read what it wrote, as after a build
+                _mirror(twin, final, variant.name)
+            barrier()
+            mirrored = Manifest.read(final)
+            assert mirrored is not None, f"{final}: mirrored by this run"
+            return VariantResult(variant.name, final, "reused", mirrored, serve=variant.serve)
         artifact, parent = base, ParentRef(path=str(base.path), hash=base_hash)
         for i, call in enumerate(calls):
             out = final if i == len(calls) - 1 else self.work_dir / "artifacts" / call.hash
@@ -330,16 +329,14 @@ def parameter_count(kind: str, path: Path) -> int:
     return sum(p.numel() for p in _meta_model(path).parameters())
 
 
-def _mirror(twin: Path, final: Path, name: str) -> Manifest:
+def _mirror(twin: Path, final: Path, name: str) -> None:
     """`twin`'s artifact mirrored into `final` (hard links where possible), its manifest naming
     the variant `name`; everything else it records (how and when it was built) is the twin's."""
     found = Manifest.read(twin)
     assert found is not None, f"{twin}: checked by _twin"
-    manifest = found.model_copy(update={"variant": name})
     with atomic_dir(final) as tmp:
         link_or_copy_tree(twin, tmp)
-        manifest.write(tmp)
-    return manifest
+        found.model_copy(update={"variant": name}).write(tmp)
 
 
 def _reusable(path: Path, expected: str, problems: list[str]) -> Manifest | None:
