@@ -83,19 +83,27 @@ def write_gguf(
         if name is None:
             raise GgufExportError(f"{source}: no GGUF name for tensor {hf_name}")
         data = permuted(hf_name, tensor.float(), config)
-        qtype = tensor_type(gguf, types.get(hf_name, rest), data)
-        add_tensor(gguf, writer, name, data, qtype)
-        counts[qtype.name] = counts.get(qtype.name, 0) + 1
+        add_tensor(gguf, writer, name, data, types.get(hf_name, rest), counts)
+    finish(writer)
+    return counts
+
+
+def finish(writer: Any) -> None:
+    """Write the header, the metadata and the tensors added to `writer`, and close the file."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return counts
 
 
-def add_tensor(gguf: Any, writer: Any, name: str, data: torch.Tensor, qtype: Any) -> None:
-    """`data` (float32) into `writer` as `qtype`: F32 / F16 as arrays, other types quantized by
-    the `gguf` package."""
+def add_tensor(
+    gguf: Any, writer: Any, name: str, data: torch.Tensor, wanted: str, counts: dict[str, int]
+) -> None:
+    """`data` (float32) into `writer` in the GGML type `wanted` (`tensor_type`'s fallbacks
+    applied): F32 / F16 as arrays, other types quantized by the `gguf` package; `counts` counts
+    the tensors written per type."""
+    qtype = tensor_type(gguf, wanted, data)
+    counts[qtype.name] = counts.get(qtype.name, 0) + 1
     types = gguf.GGMLQuantizationType
     array = data.contiguous().numpy()
     if qtype in (types.F32, types.F16):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from compress.gguf_export import ARCHITECTURES, GgufExportError, add_tensor, permuted, tensor_type
+from compress.gguf_export import ARCHITECTURES, GgufExportError, add_tensor, finish, permuted
 
 LORA_TYPES = ("f32", "f16", "bf16", "q8_0")
 """What llama.cpp's converter writes adapters in."""
@@ -122,12 +122,7 @@ def write_gguf_lora(adapter: Path, base: Path, gguf_type: str, out_file: Path) -
         rank = a.shape[0]
         factor = scalings[module] * rank / alpha if alpha else scalings[module]
         b = permuted(f"{module}.weight", b * factor if factor != 1.0 else b, config)
-        for suffix, tensor in ((".lora_a", a), (".lora_b", b)):
-            qtype = tensor_type(gguf, gguf_type, tensor)
-            add_tensor(gguf, writer, name + suffix, tensor, qtype)
-            counts[qtype.name] = counts.get(qtype.name, 0) + 1
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        add_tensor(gguf, writer, f"{name}.lora_a", a, gguf_type, counts)
+        add_tensor(gguf, writer, f"{name}.lora_b", b, gguf_type, counts)
+    finish(writer)
     return counts
