@@ -21,12 +21,7 @@ def _int8_kv_attention(module: Any, query: Any, key: Any, value: Any, *args: Any
     from serve.model.kv_cache import dequantize_int8, key_smoothing, quantize_int8
 
     def rounded(x: Any, smoothing: Any = None) -> Any:
-        if smoothing is None:
-            return dequantize_int8(*quantize_int8(x), x.dtype)
-        smoothing = smoothing.to(x.device)
-        return (dequantize_int8(*quantize_int8(x.float() / smoothing), x.dtype) * smoothing).to(
-            x.dtype
-        )
+        return dequantize_int8(*quantize_int8(x, smoothing), x.dtype, smoothing)
 
     keys = rounded(key, key_smoothing(module))
     return sdpa_attention_forward(module, query, keys, rounded(value), *args, **kw)

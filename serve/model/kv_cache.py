@@ -56,13 +56,11 @@ class Int8KV:
         if dim != 0:
             raise ValueError("an int8 KV cache is read by whole blocks (dim 0)")
         codes, scales = self.data.index_select(0, blocks), self.scales.index_select(0, blocks)
-        if self.smoothing is None:
-            return dequantize_int8(codes, scales, self.dtype)
-        return (dequantize_int8(codes, scales, torch.float32) * self.smoothing).to(self.dtype)
+        return dequantize_int8(codes, scales, self.dtype, self.smoothing)
 
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize `x` [len(slots), kv_heads, head_dim] into flat slots `slots`."""
-        codes, scales = quantize_int8(x if self.smoothing is None else x.float() / self.smoothing)
+        codes, scales = quantize_int8(x, self.smoothing)
         heads, dim = self.data.shape[2], self.data.shape[3]
         self.data.view(-1, heads, dim).index_copy_(0, slots, codes)
         self.scales.view(-1, heads).index_copy_(0, slots, scales)
@@ -72,17 +70,27 @@ KVTensor = torch.Tensor | Int8KV
 """One layer's K or V cache as the backends read it."""
 
 
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(
+    x: torch.Tensor, smoothing: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., head_dim] -> (int8 codes [..., head_dim], float32 scales [...]): symmetric, one
-    scale per vector, `max|x| / 127` (an all-zero vector: codes 0 under a tiny scale)."""
-    x = x.float()
+    scale per vector, `max|x| / 127` (an all-zero vector: codes 0 under a tiny scale); with
+    `smoothing` [head_dim], of `x / smoothing`."""
+    x = x.float() if smoothing is None else x.float() / smoothing.to(x.device)
     scales = x.abs().amax(-1, keepdim=True).clamp_min_(TINY).div_(INT8_MAX)
     return torch.round(x / scales).to(torch.int8), scales.squeeze(-1)
 
 
-def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`quantize_int8`'s inverse: codes [..., head_dim] x scales [...], in `dtype`."""
-    return (codes.float() * scales.unsqueeze(-1)).to(dtype)
+def dequantize_int8(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype,
+    smoothing: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`quantize_int8`'s inverse: codes [..., head_dim] x scales [...] (x `smoothing`), in
+    `dtype`."""
+    x = codes.float() * scales.unsqueeze(-1)
+    return (x if smoothing is None else x * smoothing.to(x.device)).to(dtype)
 
 
 def key_smoothing(attention: torch.nn.Module) -> torch.Tensor | None:
