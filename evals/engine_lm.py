@@ -41,8 +41,8 @@ LM_EVAL_EXTRAS = {"batch_size", "max_batch_size", "device"}
 class EngineLM(TemplateLM):
     """lm-eval's `workbench` model: `python -m evals.engine_lm run --model workbench
     --model_args pretrained=DIR[,dtype=float32,max_length=N,lora=ADAPTER_DIR,kv_cache=256MiB,
-    kv_cache_dtype=auto|int8,max_num_batched_tokens=N] --tasks ...` (lm-eval's own CLI with this module imported, which
-    registers the name)."""
+    kv_cache_dtype=auto|int8,max_num_batched_tokens=N] --tasks ...` (lm-eval's own CLI with
+    this module imported, which registers the name)."""
 
     def __init__(
         self,

@@ -33,7 +33,7 @@ def load_sittings(report: dict[str, Any]) -> list[dict[str, Any]]:
     groups: list[list[tuple[str, Sitting]]] = []
     for name, s in sorted(timed, key=lambda t: t[1].start()):
         g = groups[-1] if groups else None
-        if g and _machine(g[-1][1]) == _machine(s) and s.start() - max_end(g) <= GAP:
+        if g and _machine(g[-1][1]) == _machine(s) and s.start() - _end(g) <= GAP:
             g.append((name, s))
         else:
             groups.append([(name, s)])
@@ -41,7 +41,7 @@ def load_sittings(report: dict[str, Any]) -> list[dict[str, Any]]:
         {
             "variants": [n for n, _ in g],
             "started": g[0][1].started,
-            "ended": max_end(g).isoformat(timespec="seconds"),
+            "ended": _end(g).isoformat(timespec="seconds"),
             "host": g[0][1].host,
             "cpu": g[0][1].cpu,
             "cpu_count": g[0][1].cpu_count,
@@ -53,7 +53,7 @@ def load_sittings(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def max_end(group: list[tuple[str, Sitting]]) -> datetime.datetime:
+def _end(group: list[tuple[str, Sitting]]) -> datetime.datetime:
     return max(s.end() for _, s in group)
 
 

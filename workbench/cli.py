@@ -192,8 +192,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 2
     out.print(f"{source} -> {info['path']} ({args.format}, {_size(info['bytes'])})")
     if "base" in info:  # an adapter: llama.cpp applies it to its base's GGUF export
-        out.print(f"  a GGUF LoRA for the base at {info['base']}: llama-cli -m BASE.gguf --lora "
-                  f"{info['path']} (BASE.gguf: `workbench export <base variant> --format gguf`)")  # fmt: skip
+        out.print(
+            f"  a GGUF LoRA for the base at {info['base']}: llama-cli -m BASE.gguf --lora "
+            f"{info['path']} (BASE.gguf: `workbench export <base variant> --format gguf`)"
+        )
     for scheme, modules in info["schemes"].items():
         if args.format == "gguf":
             out.print(f"  {scheme}: {modules[0]}")

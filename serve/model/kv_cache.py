@@ -75,8 +75,8 @@ def quantize_int8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., head_dim] -> (int8 codes [..., head_dim], float32 scales [...]): symmetric, one
     scale per vector, `max|x| / 127` (an all-zero vector: codes 0 under a tiny scale); with
-    `smoothing` [head_dim], of `x / smoothing`."""
-    x = x.float() if smoothing is None else x.float() / smoothing.to(x.device)
+    `smoothing` [head_dim] (on `x`'s device), of `x / smoothing`."""
+    x = x.float() if smoothing is None else x.float() / smoothing
     scales = x.abs().amax(-1, keepdim=True).clamp_min_(TINY).div_(INT8_MAX)
     return torch.round(x / scales).to(torch.int8), scales.squeeze(-1)
 
@@ -90,7 +90,7 @@ def dequantize_int8(
     """`quantize_int8`'s inverse: codes [..., head_dim] x scales [...] (x `smoothing`), in
     `dtype`."""
     x = codes.float() * scales.unsqueeze(-1)
-    return (x if smoothing is None else x * smoothing.to(x.device)).to(dtype)
+    return (x if smoothing is None else x * smoothing).to(dtype)
 
 
 def key_smoothing(attention: torch.nn.Module) -> torch.Tensor | None:
