@@ -1,15 +1,21 @@
 """Engine throughput against transformers' own batching, in one process, on the same requests.
 
 Systems: this engine (`LLMEngine`); `generate` with static padded batches (every batch runs until
-its longest request is done); transformers' continuous batching (`init_continuous_batching`).
-Every system generates exactly each request's `max_tokens` (end-of-sequence ignored), so the
-useful output is the same and throughput = requested output tokens / wall seconds. Rounds run the
-systems in alternation (A B C A B C) and ratios are taken per round: the median, min and max are
-reported, as the shared 2-core machines drift.
+its longest request is done); transformers' continuous batching (`init_continuous_batching`);
+with `--vllm-venv`, vLLM's offline engine in its own venv (`benchmarks/vllm_system.py`, default
+flags, prefix caching off as in ours). Every system generates exactly each request's `max_tokens`
+(end-of-sequence ignored), so the useful output is the same and throughput = requested output
+tokens / wall seconds. Rounds run the systems in alternation (A B C A B C) and ratios are taken
+per round: the median, min and max are reported, as the shared 2-core machines drift.
+
+Workloads: `mixed` (prompts 16-512, outputs 16-256), `equal` (their means); the engine issue's
+`mixed-256` (prompts 16-256, outputs 16-128), `uniform` (128 + 64), `prefill-bound` (256 + 1,
+throughput counted in prompt + output tokens) and `decode-bound` (16 + 128).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import statistics
@@ -22,6 +28,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel
 
+from benchmarks.vllm_system import VllmWorker, agreement
 from compress.load_spec import load_model
 from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -37,16 +44,35 @@ class Workload:
     def output_tokens(self) -> int:
         return sum(self.max_tokens)
 
+    @property
+    def counted_tokens(self) -> int:
+        """The tokens throughput counts: output, or prompt + output for a prefill-bound load."""
+        if self.name == "prefill-bound":
+            return self.output_tokens + sum(map(len, self.prompts))
+        return self.output_tokens
+
+
+FIXED_WORKLOADS = {
+    "equal": (264, 136),
+    "uniform": (128, 64),
+    "prefill-bound": (256, 1),
+    "decode-bound": (16, 128),
+}
+MIXED_WORKLOADS = {"mixed": ((16, 512), (16, 256)), "mixed-256": ((16, 256), (16, 128))}
+
 
 def make_workload(kind: str, n: int, vocab: int, seed: int = 0) -> Workload:
-    """(a) `mixed`: prompts uniform in 16..512 tokens, outputs in 16..256; (b) `equal`: means."""
+    """`n` requests of random prompt tokens: lengths uniform in a mixed workload's ranges, or a
+    fixed workload's (prompt, output) lengths."""
     rng = random.Random(seed)
-    if kind == "mixed":
-        lengths = [(rng.randint(16, 512), rng.randint(16, 256)) for _ in range(n)]
-    elif kind == "equal":
-        lengths = [(264, 136)] * n
+    if kind in MIXED_WORKLOADS:
+        (p0, p1), (o0, o1) = MIXED_WORKLOADS[kind]
+        lengths = [(rng.randint(p0, p1), rng.randint(o0, o1)) for _ in range(n)]
+    elif kind in FIXED_WORKLOADS:
+        lengths = [FIXED_WORKLOADS[kind]] * n
     else:
-        raise ValueError(f"unknown workload {kind!r}; use mixed or equal")
+        known = ", ".join([*MIXED_WORKLOADS, *FIXED_WORKLOADS])
+        raise ValueError(f"unknown workload {kind!r}; use one of {known}")
     prompts = [[rng.randrange(10, vocab) for _ in range(p)] for p, _ in lengths]
     return Workload(kind, prompts, [o for _, o in lengths])
 
@@ -92,6 +118,8 @@ def default_llama_25m() -> Path:
 class Measured:
     seconds: float
     extra: dict[str, float] = field(default_factory=dict)
+    outputs: list[list[int]] | None = None
+    """Each request's output token ids, where the system returns them."""
 
 
 def run_engine(engine: LLMEngine, w: Workload) -> Measured:
@@ -101,9 +129,12 @@ def run_engine(engine: LLMEngine, w: Workload) -> Measured:
         )
     engine.timings.clear()
     wastes, peak_running, steps = [], 0, 0
+    outputs: dict[str, list[int]] = {}
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step()
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
         stats = engine.stats()
         steps += 1
         peak_running = max(peak_running, stats.num_running)
@@ -119,7 +150,13 @@ def run_engine(engine: LLMEngine, w: Workload) -> Measured:
         kv_waste_max=max(wastes or [0.0]),
         preemptions=engine.stats().num_preemptions,
     )
-    return Measured(seconds, extra)
+    return Measured(seconds, extra, [outputs[str(i)] for i in range(len(w.prompts))])
+
+
+def run_vllm(worker: VllmWorker, w: Workload) -> Measured:
+    result = worker.generate(w.prompts, w.max_tokens)
+    assert [len(o) for o in result.outputs] == w.max_tokens, "vLLM stopped a request early"
+    return Measured(result.seconds, outputs=result.outputs)
 
 
 def run_static(model: PreTrainedModel, w: Workload, batch_size: int, pad_id: int) -> Measured:
@@ -177,7 +214,7 @@ def compare(
     for r in range(rounds):
         for s in systems:
             s.results.append(s.run())
-            log(f"round {r + 1} {s.name:>16}: {tokens / s.results[-1].seconds:8.1f} output tok/s")
+            log(f"round {r + 1} {s.name:>16}: {tokens / s.results[-1].seconds:8.1f} tok/s")
 
 
 def ratio_summary(ours: SystemRuns, other: SystemRuns) -> tuple[float, float, float]:
@@ -186,12 +223,21 @@ def ratio_summary(ours: SystemRuns, other: SystemRuns) -> tuple[float, float, fl
 
 
 def engine_for(
-    model_dir: Path, kv_bytes: int, max_num_seqs: int = 256, block_size: int = 8
+    model_dir: Path,
+    kv_bytes: int,
+    max_num_seqs: int = 256,
+    block_size: int = 8,
+    batched: int = 1024,
 ) -> LLMEngine:
     return LLMEngine(
         ModelConfig(str(model_dir), dtype="float32", device="cpu"),
         CacheConfig(block_size=block_size, kv_cache_bytes=kv_bytes),
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, max_model_len=2048),
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=2048,
+            enable_prefix_caching=False,  # rounds repeat the same prompts
+        ),
     )
 
 
@@ -228,55 +274,98 @@ def bench_model(
     n: int,
     log: Callable[[str], None],
     block_size: int = 8,
+    vllm: VllmWorker | None = None,
+    max_num_batched_tokens: int = 1024,
+    hf_baselines: bool = True,
 ) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    baseline = load_baseline_model(model_dir)
-    engine = engine_for(model_dir, kv_bytes=3 << 30, block_size=block_size)
-    report: dict = {"model": name, "parameters": sum(p.numel() for p in baseline.parameters())}
+    engine = engine_for(model_dir, 3 << 30, block_size=block_size, batched=max_num_batched_tokens)
+    report: dict = {"model": name, "parameters": parameter_count(model_dir)}
     warm = make_workload("mixed", 4, len(tok), seed=99)
-    (
-        run_engine(engine, warm),
-        run_static(baseline, warm, 4, tok.pad_token_id),
-        run_hf_continuous(baseline, warm),
-    )
-    pad = tok.pad_token_id
+    run_engine(engine, warm)
+    baseline = load_baseline_model(model_dir) if hf_baselines else None
+    if baseline is not None:
+        run_static(baseline, warm, 4, tok.pad_token_id)
+        run_hf_continuous(baseline, warm)
+    if vllm is not None:
+        run_vllm(vllm, warm)
+        report["vllm"] = {"version": vllm.version, "config": vllm.config}
     for kind in workloads:
         w = make_workload(kind, n, len(tok))
-        systems = [
-            SystemRuns("engine", functools.partial(run_engine, engine, w)),
-            SystemRuns("static-16", functools.partial(run_static, baseline, w, 16, pad)),
-            SystemRuns("static-64", functools.partial(run_static, baseline, w, 64, pad)),
-            SystemRuns("hf-continuous", functools.partial(run_hf_continuous, baseline, w)),
-        ]
-        log(f"== {name}, workload {kind}: {n} requests, {w.output_tokens} output tokens")
-        compare(systems, rounds, w.output_tokens, log)
-        ours = systems[0]
-        best_static = min(
-            systems[1:3], key=lambda s: statistics.median(m.seconds for m in s.results)
-        )
-        report[kind] = {
-            "tokens_per_s": {
-                s.name: w.output_tokens / statistics.median(m.seconds for m in s.results)
-                for s in systems
-            },
-            "vs_best_static": ratio_summary(ours, best_static),
-            "best_static": best_static.name,
-            "vs_hf_continuous": ratio_summary(ours, systems[3]),
-            "engine": ours.results[-1].extra,
-        }
-        log(f"   engine / {best_static.name} (median, min, max): {report[kind]['vs_best_static']}")
-        log(f"   engine / hf-continuous (median, min, max): {report[kind]['vs_hf_continuous']}")
+        systems = [SystemRuns("engine", functools.partial(run_engine, engine, w))]
+        if baseline is not None:
+            systems += hf_systems(baseline, w, tok.pad_token_id)
+        if vllm is not None:
+            systems.append(SystemRuns("vllm", functools.partial(run_vllm, vllm, w)))
+        log(f"== {name}, workload {kind}: {n} requests, {w.counted_tokens} counted tokens")
+        compare(systems, rounds, w.counted_tokens, log)
+        report[kind] = summarize(systems, w, log)
     return report
 
 
-def step_times(model_dir: Path, rounds: int, log: Callable[[str], None]) -> dict:
-    """Median ms of a decode step at 1/16/64 sequences and of a 1,024-token prefill, engine and
-    `generate` side by side (`benchmarks.step_bench`)."""
+def parameter_count(model_dir: Path) -> int:
+    """The architecture's parameter count (a model built on the meta device: no weights read)."""
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())
+
+
+def hf_systems(baseline: PreTrainedModel, w: Workload, pad: int) -> list[SystemRuns]:
+    return [
+        SystemRuns("static-16", functools.partial(run_static, baseline, w, 16, pad)),
+        SystemRuns("static-64", functools.partial(run_static, baseline, w, 64, pad)),
+        SystemRuns("hf-continuous", functools.partial(run_hf_continuous, baseline, w)),
+    ]
+
+
+def summarize(systems: list[SystemRuns], w: Workload, log: Callable[[str], None]) -> dict:
+    """Tokens per second of each system (medians), and the engine's per-round ratios to the
+    best static batch, to transformers' continuous batching and to vLLM when it ran."""
+    by_name = {s.name: s for s in systems}
+    ours = by_name["engine"]
+    summary: dict[str, Any] = {
+        "tokens_per_s": {
+            s.name: w.counted_tokens / statistics.median(m.seconds for m in s.results)
+            for s in systems
+        },
+        "engine": ours.results[-1].extra,
+    }
+    if "static-16" in by_name:
+        best_static = min(
+            (by_name["static-16"], by_name["static-64"]),
+            key=lambda s: statistics.median(m.seconds for m in s.results),
+        )
+        summary["best_static"] = best_static.name
+        summary["vs_best_static"] = ratio_summary(ours, best_static)
+        summary["vs_hf_continuous"] = ratio_summary(ours, by_name["hf-continuous"])
+        log(f"   engine / {best_static.name} (median, min, max): {summary['vs_best_static']}")
+        log(f"   engine / hf-continuous (median, min, max): {summary['vs_hf_continuous']}")
+    if "vllm" in by_name:
+        theirs = by_name["vllm"]
+        summary["vs_vllm"] = ratio_summary(ours, theirs)
+        mine, vllms = ours.results[-1].outputs, theirs.results[-1].outputs
+        assert mine is not None and vllms is not None
+        summary["same_outputs_as_vllm"] = agreement(mine, vllms)
+        log(
+            f"   engine / vllm (median, min, max): {summary['vs_vllm']}; requests with the"
+            f" same output tokens: {summary['same_outputs_as_vllm']:.0%}"
+        )
+    return summary
+
+
+def step_times(
+    model_dir: Path, rounds: int, log: Callable[[str], None], vllm_venv: Path | None = None
+) -> dict:
+    """Median ms of a decode step at 1/16/64 sequences and of a 1,024-token prefill, engine,
+    `generate` (and vLLM) side by side (`benchmarks.step_bench`)."""
     from benchmarks.step_bench import measure
 
-    cells = measure(model_dir, ["engine", "generate"], rounds, 128, 1024, log)
+    systems = ["engine", "generate", *(["vllm"] if vllm_venv else [])]
+    cells = measure(model_dir, systems, rounds, 128, 1024, log, vllm_venv=vllm_venv)
     return {c.name: {s: statistics.median(v) * 1000 for s, v in c.times.items()} for c in cells}
 
 
@@ -292,12 +381,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--models", default="demo,llama-25m,smollm2", help="comma list: demo, llama-25m, smollm2"
     )
-    parser.add_argument("--workloads", default="mixed,equal", help="comma list: mixed, equal")
+    parser.add_argument(
+        "--workloads",
+        default="mixed,equal",
+        help="comma list: mixed, equal, mixed-256, uniform, prefill-bound, decode-bound",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per workload")
     parser.add_argument("--requests", type=int, default=64, help="requests per workload")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--out", default="reports/bench-engine.json", help="JSON results file")
     parser.add_argument("--block-size", type=int, default=8, help="KV block size of the engine")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=1024, help="the engine's step budget"
+    )
+    parser.add_argument(
+        "--vllm-venv",
+        type=Path,
+        help="a venv with vllm(-cpu): vLLM's offline engine joins as a system (default flags)",
+    )
+    parser.add_argument("--skip-steps", action="store_true", help="no per-step times")
+    parser.add_argument(
+        "--no-hf-baselines",
+        action="store_true",
+        help="leave out transformers' static and continuous batching (engine and vLLM only)",
+    )
     parser.add_argument(
         "--concurrency-models",
         default="demo,llama-25m",
@@ -309,17 +416,27 @@ def main(argv: list[str] | None = None) -> int:
     results = {"threads": args.threads, "models": []}
     for name in args.models.split(","):
         model_dir = resolve_model(name)
-        report = bench_model(
-            name,
-            model_dir,
-            [w for w in args.workloads.split(",") if w],
-            args.rounds,
-            args.requests,
-            print,
-            args.block_size,
-        )
-        print(f"== {name}: per-step times (median of {args.rounds} rounds)")
-        report["steps_ms"] = step_times(model_dir, args.rounds, print)
+        with contextlib.ExitStack() as stack:
+            vllm = None
+            if args.vllm_venv:
+                log = Path(args.out).with_suffix(f".vllm-{name}.log")
+                print(f"starting vLLM on {model_dir} (its log: {log})")
+                vllm = stack.enter_context(VllmWorker(args.vllm_venv, model_dir, log))
+            report = bench_model(
+                name,
+                model_dir,
+                [w for w in args.workloads.split(",") if w],
+                args.rounds,
+                args.requests,
+                print,
+                args.block_size,
+                vllm,
+                args.max_num_batched_tokens,
+                not args.no_hf_baselines,
+            )
+        if not args.skip_steps:
+            print(f"== {name}: per-step times (median of {args.rounds} rounds)")
+            report["steps_ms"] = step_times(model_dir, args.rounds, print, args.vllm_venv)
         if name in args.concurrency_models.split(","):
             report["concurrency"] = concurrency_vs_contiguous(
                 model_dir, 4096, block_size=args.block_size

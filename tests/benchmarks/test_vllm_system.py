@@ -1,0 +1,103 @@
+"""vLLM as a benchmark system: the worker protocol over a stand-in `vllm` package (its offline
+API's shape: `LLM`, `SamplingParams`, `TokensPrompt`). The real vLLM runs in `benchmarks/` only
+(its own venv; figures in the README)."""
+
+from __future__ import annotations
+
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.vllm_system import VllmError, VllmWorker, agreement
+
+FAKE_VLLM = """
+import os
+print("INFO vllm banner on stdout")  # vLLM logs to stdout: must not reach the protocol
+__version__ = "0.0-fake"
+class SamplingParams:
+    def __init__(self, max_tokens, min_tokens, temperature, ignore_eos):
+        assert min_tokens == max_tokens and temperature == 0.0 and ignore_eos
+        self.max_tokens = max_tokens
+class _Sched:
+    max_num_seqs = 256
+    max_num_batched_tokens = 4096
+class _Config:
+    scheduler_config = _Sched()
+class _Engine:
+    vllm_config = _Config()
+class _Completion:
+    def __init__(self, ids): self.token_ids = ids
+class _Out:
+    def __init__(self, ids): self.outputs = [_Completion(ids)]
+class LLM:
+    def __init__(self, **options):
+        if os.environ.get("FAKE_VLLM_FAIL"):
+            raise RuntimeError("no kernel for this CPU")
+        print("INFO engine up")
+        self.llm_engine = _Engine()
+    def generate(self, prompts, params, use_tqdm):
+        print("INFO generating")
+        return [_Out([p["prompt_token_ids"][-1] + k for k in range(s.max_tokens)])
+                for p, s in zip(prompts, params)]
+"""
+
+
+@pytest.fixture
+def fake_venv(tmp_path: Path) -> Path:
+    """A 'venv' whose python finds the stand-in `vllm` first."""
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (site / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                             "    return {'prompt_token_ids': prompt_token_ids}\n")  # fmt: skip
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    return tmp_path / "venv"
+
+
+def test_the_worker_answers_generate_calls_over_its_pipe_with_vllm_logging_kept_off_it(
+    fake_venv: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "vllm.log"
+    with VllmWorker(fake_venv, tmp_path / "model", log, max_num_batched_tokens=2048) as worker:
+        assert worker.version == "0.0-fake"
+        assert worker.config["max_num_batched_tokens"] == 4096  # as the engine reports it
+        assert worker.config["enable_prefix_caching"] is False
+        assert worker.config["kv_cache_space_gib"] == "2"
+        first = worker.generate([[5, 6], [9]], [3, 1])
+        second = worker.generate([[1]], [2])
+    assert first.outputs == [[6, 7, 8], [9]] and second.outputs == [[1, 2]]
+    assert first.seconds >= 0
+    assert "vllm banner" in log.read_text() and "generating" in log.read_text()
+
+
+def test_a_worker_that_dies_at_start_raises_naming_its_log(
+    fake_venv: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
+    log = tmp_path / "vllm.log"
+    with pytest.raises(VllmError, match=str(log)):
+        VllmWorker(fake_venv, tmp_path / "model", log).start()
+    assert "no kernel for this CPU" in log.read_text()
+
+
+def test_a_missing_venv_is_refused_with_how_to_build_one(tmp_path: Path) -> None:
+    with pytest.raises(VllmError, match=r"vllm_venv\.sh"):
+        VllmWorker(tmp_path / "nowhere", tmp_path, tmp_path / "log").start()
+
+
+def test_agreement_counts_requests_with_identical_outputs() -> None:
+    assert agreement([[1, 2], [3], [4]], [[1, 2], [3, 0], [4]]) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError):
+        agreement([[1]], [[1], [2]])
+
+
+def test_worker_script_has_no_workbench_imports() -> None:
+    """It runs in vLLM's venv, where the workbench is not installed."""
+    source = Path("benchmarks/vllm_worker.py").read_text()
+    for package in ("compress", "serve", "evals", "workbench", "benchmarks", "catalog"):
+        assert f"from {package}" not in source and f"import {package}" not in source
