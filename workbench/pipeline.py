@@ -107,6 +107,9 @@ class Pipeline:
         self.recipe_hash = recipe_hash(recipe)
         self.evaluate = evaluate
         self._locked = False
+        self._intact: dict[Path, str] = {}
+        """Final artifacts this run wrote or verified, with their hashes: under the work dir's
+        lock nothing else changes them, so a twin among them is mirrored without a re-read."""
 
     def check(
         self,
@@ -189,6 +192,7 @@ class Pipeline:
         barrier()  # every process decides on the same files
         problems: list[str] = []
         if not self.force and (reused := _reusable(final, calls[-1].hash, problems)):
+            self._intact[final] = calls[-1].hash
             return VariantResult(variant.name, final, "reused", reused, serve=variant.serve)
         if not self.force and (twin := self._twin(variant.name, calls[-1].hash)):
             if is_main():  # the others read what it wrote, as after a build
@@ -196,6 +200,7 @@ class Pipeline:
             barrier()
             mirrored = Manifest.read(final)
             assert mirrored is not None, f"{final}: mirrored by this run"
+            self._intact[final] = calls[-1].hash
             return VariantResult(variant.name, final, "reused", mirrored, serve=variant.serve)
         artifact, parent = base, ParentRef(path=str(base.path), hash=base_hash)
         for i, call in enumerate(calls):
@@ -207,11 +212,16 @@ class Pipeline:
             parent = ParentRef(path=str(out), hash=call.hash)
         manifest = Manifest.read(final)
         assert manifest is not None, f"{final}: written by this run"
+        self._intact[final] = calls[-1].hash
         because = "; ".join(problems) or None
         return VariantResult(variant.name, final, "built", manifest, because, variant.serve)
 
     def _twin(self, name: str, expected: str) -> Path | None:
-        """Another variant's intact final artifact with the hash `expected`, if one is built."""
+        """Another variant's intact final artifact with the hash `expected`, if one is built
+        (one this run wrote or verified first: its files are not read again)."""
+        for other, hash_ in self._intact.items():
+            if hash_ == expected and other.name != name:
+                return other
         for other in sorted((self.work_dir / "variants").glob("*")):
             skip = other.name == name or other.name.startswith(".")  # itself, or unfinished
             if not skip and _reusable(other, expected, []) is not None:

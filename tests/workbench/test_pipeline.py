@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from compress.artifact import MANIFEST, dir_bytes
+from compress.artifact import MANIFEST, dir_bytes, verify_files
 from workbench.cli import main
 from workbench.pipeline import Pipeline
 from workbench.recipe import load_recipe
@@ -194,15 +194,29 @@ variants:
 """
 
 
-def test_a_variant_differing_only_in_serve_settings_mirrors_its_twin(tmp_path: Path) -> None:
+def test_a_variant_differing_only_in_serve_settings_mirrors_its_twin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two variants with the same steps (one served with an int8 KV cache) quantize once: the
-    second mirrors the first's artifact with hard links, its manifest naming itself; a twin
-    whose files changed is not mirrored; `force` builds both."""
+    second mirrors the first's artifact with hard links, its manifest naming itself, without
+    reading the files this run just wrote again; a twin whose files changed is not mirrored;
+    `force` builds both."""
     path = tmp_path / "recipe.yaml"
     path.write_text(TWINS)
     recipe, base = load_recipe(path)
+    verified: list[str] = []
+
+    def counting_verify(where: Path, files: object) -> str | None:
+        verified.append(Path(where).name)
+        return verify_files(where, files)
+
+    monkeypatch.setattr("workbench.pipeline.verify_files", counting_verify)
     results = Pipeline(recipe, base, tmp_path / "work").run()
     assert [(r.name, r.status) for r in results] == [("int8", "built"), ("int8-kv8", "reused")]
+    assert verified == []  # the twin was written by this run: not hashed again
+    rerun = Pipeline(recipe, base, tmp_path / "work").run()
+    assert [r.status for r in rerun] == ["reused", "reused"]
+    assert verified == ["int8", "int8-kv8"]  # each verified once, as its own reuse
     assert [r.serve.kv_cache_dtype for r in results] == ["auto", "int8"]
     first, second = _manifest(tmp_path, "int8"), _manifest(tmp_path, "int8-kv8")
     assert second["variant"] == "int8-kv8" and second["hash"] == first["hash"]
