@@ -401,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--skip-steps", action="store_true", help="no per-step times")
     parser.add_argument(
+        "--vllm-eager", action="store_true", help="vLLM with --enforce-eager (no torch.compile)"
+    )
+    parser.add_argument(
         "--no-hf-baselines",
         action="store_true",
         help="leave out transformers' static and continuous batching (engine and vLLM only)",
@@ -421,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.vllm_venv:
                 log = Path(args.out).with_suffix(f".vllm-{name}.log")
                 print(f"starting vLLM on {model_dir} (its log: {log})")
-                vllm = stack.enter_context(VllmWorker(args.vllm_venv, model_dir, log))
+                worker = VllmWorker(args.vllm_venv, model_dir, log, enforce_eager=args.vllm_eager)
+                vllm = stack.enter_context(worker)
             report = bench_model(
                 name,
                 model_dir,

@@ -56,6 +56,8 @@ class VllmWorker:
     kv_cache_gib: int = 2
     threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     profile_dir: Path | None = None
+    enforce_eager: bool = False
+    """vLLM without its torch.compile of the model (its default compiles)."""
     version: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     _process: subprocess.Popen[str] | None = None
@@ -76,6 +78,8 @@ class VllmWorker:
             command += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.profile_dir:
             command += ["--profile-dir", str(self.profile_dir)]
+        if self.enforce_eager:
+            command.append("--enforce-eager")
         env = self.environment()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("w")

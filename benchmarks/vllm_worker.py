@@ -2,7 +2,8 @@
 vLLM and the standard library; the workbench is not installed there).
 
 `VENV/bin/python benchmarks/vllm_worker.py --model DIR [--dtype float32] [--max-model-len 2048]
-[--max-num-seqs N] [--max-num-batched-tokens N] [--enable-prefix-caching] [--profile-dir DIR]`
+[--max-num-seqs N] [--max-num-batched-tokens N] [--enable-prefix-caching] [--profile-dir DIR]
+[--enforce-eager]`
 
 Protocol, one JSON object per line: after start-up the worker writes
 `{"ready": true, "version": ..., "config": {...}}`; then for each request line
@@ -40,6 +41,7 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--profile-dir", help="vLLM's torch profiler writes its traces here")
+    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile")
     args = parser.parse_args()
     out = _protocol_stream()
 
@@ -52,6 +54,7 @@ def main() -> int:
         "dtype": args.dtype,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "enforce_eager": args.enforce_eager,
         "seed": 0,
     }
     if args.max_num_seqs:

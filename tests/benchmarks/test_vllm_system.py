@@ -63,8 +63,12 @@ def test_the_worker_answers_generate_calls_over_its_pipe_with_vllm_logging_kept_
     fake_venv: Path, tmp_path: Path
 ) -> None:
     log = tmp_path / "vllm.log"
-    with VllmWorker(fake_venv, tmp_path / "model", log, max_num_batched_tokens=2048) as worker:
+    worker = VllmWorker(
+        fake_venv, tmp_path / "model", log, max_num_batched_tokens=2048, enforce_eager=True
+    )
+    with worker:
         assert worker.version == "0.0-fake"
+        assert worker.config["enforce_eager"] is True
         assert worker.config["max_num_batched_tokens"] == 4096  # as the engine reports it
         assert worker.config["enable_prefix_caching"] is False
         assert worker.config["kv_cache_space_gib"] == "2"
@@ -101,3 +105,26 @@ def test_worker_script_has_no_workbench_imports() -> None:
     source = Path("benchmarks/vllm_worker.py").read_text()
     for package in ("compress", "serve", "evals", "workbench", "benchmarks", "catalog"):
         assert f"from {package}" not in source and f"import {package}" not in source
+
+
+def test_the_worker_runs_as_vllms_cpu_guide_advises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenMP bound to `threads` cores with none reserved, this process's OpenMP wait policy
+    not passed on, the guide's preloads where they exist; a variable the caller set wins."""
+    import os
+
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "LD_PRELOAD"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    worker = VllmWorker(tmp_path, tmp_path, tmp_path / "log", threads=1)
+    env = worker.environment()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(min(os.sched_getaffinity(0)))
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and "OMP_WAIT_POLICY" not in env
+    assert str(tmp_path / "lib" / "libiomp5.so") not in env["LD_PRELOAD"]
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    preload = worker.environment()["LD_PRELOAD"].split(":")
+    assert str(tmp_path.resolve() / "lib" / "libiomp5.so") in preload
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert worker.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
