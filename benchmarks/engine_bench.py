@@ -8,16 +8,17 @@ flags, prefix caching off as in ours). Every system generates exactly each reque
 tokens / wall seconds. Rounds run the systems in alternation (A B C A B C) and ratios are taken
 per round: the median, min and max are reported, as the shared 2-core machines drift.
 
-Workloads: `mixed` (prompts 16-512, outputs 16-256), `equal` (their means); the engine issue's
-`mixed-256` (prompts 16-256, outputs 16-128), `uniform` (128 + 64), `prefill-bound` (256 + 1,
-throughput counted in prompt + output tokens) and `decode-bound` (16 + 128).
+Workloads: `benchmarks/workloads.py` (`mixed`, `equal`, and the engine issue's `mixed-256`,
+`uniform`, `prefill-bound`, `decode-bound`).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
-import random
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -29,52 +30,10 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel
 
 from benchmarks.vllm_system import VllmWorker, agreement
+from benchmarks.workloads import Workload, make_workload
 from compress.load_spec import load_model
 from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    max_tokens: list[int]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.max_tokens)
-
-    @property
-    def counted_tokens(self) -> int:
-        """The tokens throughput counts: output, or prompt + output for a prefill-bound load."""
-        if self.name == "prefill-bound":
-            return self.output_tokens + sum(map(len, self.prompts))
-        return self.output_tokens
-
-
-FIXED_WORKLOADS = {
-    "equal": (264, 136),
-    "uniform": (128, 64),
-    "prefill-bound": (256, 1),
-    "decode-bound": (16, 128),
-}
-MIXED_WORKLOADS = {"mixed": ((16, 512), (16, 256)), "mixed-256": ((16, 256), (16, 128))}
-
-
-def make_workload(kind: str, n: int, vocab: int, seed: int = 0) -> Workload:
-    """`n` requests of random prompt tokens: lengths uniform in a mixed workload's ranges, or a
-    fixed workload's (prompt, output) lengths."""
-    rng = random.Random(seed)
-    if kind in MIXED_WORKLOADS:
-        (p0, p1), (o0, o1) = MIXED_WORKLOADS[kind]
-        lengths = [(rng.randint(p0, p1), rng.randint(o0, o1)) for _ in range(n)]
-    elif kind in FIXED_WORKLOADS:
-        lengths = [FIXED_WORKLOADS[kind]] * n
-    else:
-        known = ", ".join([*MIXED_WORKLOADS, *FIXED_WORKLOADS])
-        raise ValueError(f"unknown workload {kind!r}; use one of {known}")
-    prompts = [[rng.randrange(10, vocab) for _ in range(p)] for p, _ in lengths]
-    return Workload(kind, prompts, [o for _, o in lengths])
 
 
 def random_llama_25m(tokenizer_dir: Path, out: Path) -> Path:
@@ -369,14 +328,7 @@ def step_times(
     return {c.name: {s: statistics.median(v) * 1000 for s, v in c.times.items()} for c in cells}
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-    import os
-
-    from benchmarks.step_bench import resolve_model
-    from serve.model.host_memory import keep_freed_memory
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench bench-engine", description=__doc__)
     parser.add_argument(
         "--models", default="demo,llama-25m,smollm2", help="comma list: demo, llama-25m, smollm2"
@@ -413,7 +365,14 @@ def main(argv: list[str] | None = None) -> int:
         default="demo,llama-25m",
         help="models whose paged-vs-contiguous concurrency is measured (256 requests each)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.step_bench import resolve_model
+    from serve.model.host_memory import keep_freed_memory
+
+    args = build_parser().parse_args(argv)
     keep_freed_memory()  # before any system runs: the baselines get it too
     torch.set_num_threads(args.threads)
     results = {"threads": args.threads, "models": []}

@@ -36,8 +36,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.dtype_bench import held_out
-from benchmarks.engine_bench import Workload, run_engine
+from benchmarks.engine_bench import run_engine
 from benchmarks.step_bench import engine_decode_step, resolve_model
+from benchmarks.workloads import Workload
 from evals.divergence import divergence, scored_bytes
 from evals.int8_kv import int8_kv_attention
 from serve import LLMEngine, SamplingParams

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.engine_bench import Workload, engine_for, make_workload, run_engine
+from benchmarks.engine_bench import engine_for, run_engine
 from benchmarks.step_bench import resolve_model
 from benchmarks.vllm_system import VllmWorker
+from benchmarks.workloads import Workload, make_workload
 
 FAMILIES: list[tuple[str, tuple[str, ...]]] = [
     ("kv write / gather", ("index", "reshape_and_cache", "scatter", "gather", "kv_cache_update")),

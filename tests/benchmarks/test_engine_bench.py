@@ -8,15 +8,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.engine_bench import (
-    Measured,
-    SystemRuns,
-    Workload,
-    make_workload,
-    parameter_count,
-    run_engine,
-    summarize,
-)
+from benchmarks.engine_bench import Measured, SystemRuns, parameter_count, run_engine, summarize
+from benchmarks.workloads import Workload, make_workload
 
 
 def test_the_engine_issue_workloads_have_their_stated_lengths() -> None:
