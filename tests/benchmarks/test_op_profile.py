@@ -3,9 +3,18 @@ both systems' operator names, and the time outside operators."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from benchmarks.op_profile import by_family, family, self_times
+from benchmarks.op_profile import (
+    KERNEL_EVENT,
+    by_family,
+    family,
+    self_times,
+    trace_events,
+    traced_decode_attention,
+)
 
 
 def _op(name: str, ts: float, dur: float, tid: int = 1) -> dict:
@@ -69,3 +78,24 @@ def test_by_family_puts_the_rest_of_the_wall_time_outside_operators() -> None:
         "other operators": 0.5,
         "outside operators": 6.0,
     }
+
+
+def test_the_engines_decode_kernel_counts_as_attention(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The paged-cpu kernel is a ctypes call: traced, the profile sees it as its own event and
+    counts it as attention, not as time outside operators."""
+    import torch
+
+    from benchmarks.engine_bench import engine_for, run_engine
+    from benchmarks.workloads import Workload
+
+    engine = engine_for(tiny_model_dir, 1 << 20)
+    traced_decode_attention(engine)
+    w = Workload("decode", [[5, 6, 7, 8]] * 2, [4, 4])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run_engine(engine, w)
+    prof.export_chrome_trace(str(tmp_path / "engine.json"))
+    times = self_times(trace_events([tmp_path / "engine.json"]))
+    assert times[KERNEL_EVENT] > 0
+    assert by_family(times, wall_us=1e9)["attention"] >= times[KERNEL_EVENT] / 1000
