@@ -204,9 +204,13 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> tuple[StepInputs, torch.Tensor]:
         """One step's model half: flatten the scheduled chunks, give their adapters device
-        slots, run the model; (the step's inputs, the logits at its `logits_rows`)."""
-        inputs = self.prepare(out)
-        lora = None
-        if self.adapters is not None:
-            lora = self.adapters.prepare_step(inputs.adapter_rows, out.num_tokens)
+        slots, run the model; (the step's inputs, the logits at its `logits_rows`). The inputs
+        are made in inference mode whatever the caller's mode, so a compiled forward always
+        meets tensors of the kind its warm-up compiled for (a mismatch fails its guards and
+        runs it eagerly)."""
+        with torch.inference_mode():
+            inputs = self.prepare(out)
+            lora = None
+            if self.adapters is not None:
+                lora = self.adapters.prepare_step(inputs.adapter_rows, out.num_tokens)
         return inputs, self.forward(inputs, lora)

@@ -93,3 +93,34 @@ def test_compiled_engine_on_an_int8_kv_cache_gives_the_uncompiled_tokens(
     assert compiled.runner.compile_report is not None
     assert compiled.runner.compile_report.graph_breaks == 0
     assert run(compiled, cases[:12]) == run(engine(False), cases[:12])
+
+
+@needs_cxx
+@pytest.mark.slow  # inductor compiles four graphs (seconds each, cached after)
+def test_compiled_graphs_run_when_the_caller_is_in_inference_mode(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller's `torch.inference_mode()` (benchmarks, lm-eval) must not make the step inputs
+    tensors of another kind than the warm-up's: their guards would fail and every step would
+    run eagerly, silently. With guard failures made errors, steps in and out of inference mode
+    run the compiled graphs."""
+    import torch
+
+    from serve import SamplingParams
+    from serve.model.compilation import CompiledForward
+
+    engine = compiled_engine(model_dirs["llama"], "auto")
+
+    def strict(self: CompiledForward, **inputs: object) -> object:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return self.compiled(**inputs)
+
+    monkeypatch.setattr(CompiledForward, "__call__", strict)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for i, mode in enumerate((torch.inference_mode, torch.no_grad, torch.enable_grad)):
+        with mode():
+            engine.add_request(f"r{i}", [1, 2, 3, 4, 5], params)
+            engine.add_request(f"s{i}", [6, 7, 8], params)
+            while engine.has_unfinished_requests():
+                engine.step()  # a recompile raises, and the step fails
+    assert engine.stats().num_running == 0
