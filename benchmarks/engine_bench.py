@@ -187,9 +187,10 @@ def engine_for(
     max_num_seqs: int = 256,
     block_size: int = 8,
     batched: int = 1024,
+    compile_model: bool = False,
 ) -> LLMEngine:
     return LLMEngine(
-        ModelConfig(str(model_dir), dtype="float32", device="cpu"),
+        ModelConfig(str(model_dir), dtype="float32", device="cpu", compile=compile_model),
         CacheConfig(block_size=block_size, kv_cache_bytes=kv_bytes),
         SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -236,11 +237,18 @@ def bench_model(
     vllm: VllmWorker | None = None,
     max_num_batched_tokens: int = 1024,
     hf_baselines: bool = True,
+    compile_model: bool = False,
 ) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    engine = engine_for(model_dir, 3 << 30, block_size=block_size, batched=max_num_batched_tokens)
+    engine = engine_for(
+        model_dir,
+        3 << 30,
+        block_size=block_size,
+        batched=max_num_batched_tokens,
+        compile_model=compile_model,
+    )
     report: dict = {"model": name, "parameters": parameter_count(model_dir)}
     warm = make_workload("mixed", 4, len(tok), seed=99)
     run_engine(engine, warm)
@@ -355,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--vllm-eager", action="store_true", help="vLLM with --enforce-eager (no torch.compile)"
     )
+    parser.add_argument("--compile", action="store_true", help="the engine with --compile")
     parser.add_argument(
         "--no-hf-baselines",
         action="store_true",
@@ -396,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                 vllm,
                 args.max_num_batched_tokens,
                 not args.no_hf_baselines,
+                args.compile,
             )
         if not args.skip_steps:
             print(f"== {name}: per-step times (median of {args.rounds} rounds)")
