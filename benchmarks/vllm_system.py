@@ -92,15 +92,7 @@ class VllmWorker:
         return self
 
     def environment(self) -> dict[str, str]:
-        cores = sorted(os.sched_getaffinity(0))[: self.threads]
-        preload = [str(p) for p in preloads(self.venv) if p.exists()]
-        advised = {
-            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "LD_PRELOAD": ":".join(preload),
-        }
-        env = {**advised, **os.environ}
+        env = {**advised_environment(self.venv, self.threads, self.kv_cache_gib), **os.environ}
         env.pop("OMP_WAIT_POLICY", None)  # vLLM binds and tunes its own OpenMP threads
         return env
 
@@ -146,13 +138,40 @@ class VllmWorker:
         self.close()
 
 
+def advised_environment(venv: Path, threads: int, kv_cache_gib: int) -> dict[str, str]:
+    """What vLLM's CPU guide sets: its OpenMP threads bound to `threads` cores, none reserved,
+    the preloads that exist, a KV cache of `kv_cache_gib` GiB."""
+    cores = sorted(os.sched_getaffinity(0))[:threads]
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "LD_PRELOAD": ":".join(str(p) for p in preloads(venv) if p.exists()),
+    }
+
+
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
     """The share of requests whose output token ids are identical in both systems."""
     same = sum(a == b for a, b in zip(ours, theirs, strict=True))
     return same / max(len(ours), 1)
 
 
-if __name__ == "__main__":  # a quick check: python -m benchmarks.vllm_system VENV MODEL
-    with VllmWorker(Path(sys.argv[1]), Path(sys.argv[2]), Path("/tmp/vllm-worker.log")) as w:
+def main(argv: list[str]) -> int:
+    """`env VENV`: `env(1)` arguments, one a line, that start a vLLM server as the worker runs
+    (`vllm_check.sh` reads them; variables already set are left as they are); `VENV MODEL`: a
+    quick check of the worker."""
+    if argv[0] == "env":
+        venv = Path(argv[1])
+        advised = advised_environment(venv, len(os.sched_getaffinity(0)), 2)
+        lines = ["-u", "OMP_WAIT_POLICY"]  # vLLM binds and tunes its own OpenMP threads
+        lines += [f"{k}={v}" for k, v in advised.items() if k not in os.environ]
+        print("\n".join(lines))
+        return 0
+    with VllmWorker(Path(argv[0]), Path(argv[1]), Path("/tmp/vllm-worker.log")) as w:
         print(w.version, w.config)
         print(w.generate([[1, 2, 3, 4]], [8]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

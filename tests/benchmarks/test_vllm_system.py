@@ -128,3 +128,21 @@ def test_the_worker_runs_as_vllms_cpu_guide_advises(
     assert str(tmp_path.resolve() / "lib" / "libiomp5.so") in preload
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     assert worker.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def test_vllm_check_gets_the_workers_environment_for_its_servers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`python -m benchmarks.vllm_system env VENV`: `env(1)` arguments, one a line, dropping
+    the OpenMP wait policy and adding what is not set already."""
+    from benchmarks.vllm_system import main
+
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "LD_PRELOAD"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    assert main(["env", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["-u", "OMP_WAIT_POLICY"]
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU=0" in lines
+    assert any(line.startswith("VLLM_CPU_OMP_THREADS_BIND=") for line in lines)
+    assert not any(line.startswith("VLLM_CPU_KVCACHE_SPACE=") for line in lines)  # set: kept
