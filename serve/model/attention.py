@@ -32,6 +32,7 @@ from transformers import AttentionInterface
 
 from serve.core.step_scope import step_scope
 from serve.model.kv_cache import KVTensor, write_slots
+from serve.model.opaque_ops import define_opaque_op
 
 ATTENTION_NAME = "workbench_paged"
 
@@ -255,8 +256,7 @@ def _attend_layer(
     return meta.backend.attend(q, k_cache, v_cache, meta, scale, window)[None]
 
 
-@torch.library.custom_op("workbench::paged_attention", mutates_args=())
-def paged_attention_op(
+def _paged_attention_kernel(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -264,13 +264,10 @@ def paged_attention_op(
     scale: float,
     window: int,
 ) -> torch.Tensor:
-    """The layer as one opaque op for `torch.compile` (it writes the step's KV cache slots, which
-    are not arguments: each layer's cache is read only by that layer's own op); window 0: none."""
     return _attend_layer(query, key, value, layer_idx, scale, window or None)
 
 
-@paged_attention_op.register_fake
-def _(
+def _paged_attention_fake(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -279,6 +276,16 @@ def _(
     window: int,
 ) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
+
+paged_attention_op = define_opaque_op(
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer_idx, float scale, "
+    "int window) -> Tensor",
+    _paged_attention_kernel,
+    _paged_attention_fake,
+)
+"""The layer as one opaque op for `torch.compile` (it writes the step's KV cache slots, which
+are not arguments: each layer's cache is read only by that layer's own op); window 0: none."""
 
 
 def paged_attention(

@@ -9,8 +9,8 @@ RoPE, SiLU x up, residual adds) and drops the per-op Python of the HF modules.
 
 `warm_up` compiles the four classes at load on dummy steps that write only free KV blocks (their
 contents are never read before a real step writes them), and reports the graphs and seconds. After
-it, a shape that would need another graph runs eagerly (stance `eager_on_recompile`): serving never
-stops for a compile, and recompiles are counted, not hidden.
+it, a step that would need another graph runs eagerly: serving never stops for a compile, and such
+steps are counted (`CompiledForward.eager_steps`), not hidden.
 """
 
 from __future__ import annotations
@@ -74,17 +74,26 @@ def why_not_compilable(model: PreTrainedModel, lora: bool) -> str | None:
 
 
 class CompiledForward:
-    """The model's forward through `torch.compile`, eager for shapes the warm-up did not see."""
+    """The model's forward through `torch.compile`, eager for inputs the warm-up's graphs do not
+    cover (their guards fail): such steps are counted in `eager_steps`, never compiled."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
         self.compiled = torch.compile(model, dynamic=True)
         self.warm = False
+        self.eager_steps = 0
 
     def __call__(self, **inputs: Any) -> Any:
         if not self.warm:
             return self.compiled(**inputs)
-        with torch.compiler.set_stance("eager_on_recompile"):
-            return self.compiled(**inputs)
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self.compiled(**inputs)
+        except RuntimeError as e:  # raised by the guard check, before the graph runs
+            if "fail_on_recompile" not in str(e):
+                raise
+        self.eager_steps += 1
+        return self.model(**inputs)
 
 
 def warm_up(

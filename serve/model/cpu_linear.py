@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from serve.model.opaque_ops import define_opaque_op
+
 
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
@@ -30,20 +32,25 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-@torch.library.custom_op("workbench::packed_linear", mutates_args=())
-def packed_linear(
+def _packed_linear(
     x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """The prepacked product as an opaque op for `torch.compile`: inductor lowers oneDNN's linear
-    only for weights it froze itself, and with dynamic shapes it does not pick oneDNN at all."""
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
-@packed_linear.register_fake
-def _(
+def _packed_linear_fake(
     x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+packed_linear = define_opaque_op(
+    "packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
+    _packed_linear,
+    _packed_linear_fake,
+)
+"""The prepacked product as an opaque op for `torch.compile`: inductor lowers oneDNN's linear
+only for weights it froze itself, and with dynamic shapes it does not pick oneDNN at all."""
 
 
 def packed_dtypes() -> tuple[torch.dtype, ...]:

@@ -154,10 +154,13 @@ class ModelRunner:
         self.adapters = AdapterManager(model, lora, device, self.layout.dtype) if lora else None
         """The LoRA layers wrapped around the model's linears and their device slots."""
         self.call_model: Callable[..., Any] = model
+        self.compiled: CompiledForward | None = None
         self.compile_report: CompileReport | None = None
         if compile_model:
-            self.call_model = compiled = CompiledForward(model)
-            self.compile_report = warm_up(compiled, self.execute, self.block_size, self.num_blocks)
+            self.call_model = self.compiled = CompiledForward(model)
+            self.compile_report = warm_up(
+                self.compiled, self.execute, self.block_size, self.num_blocks
+            )
 
     def _num_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:

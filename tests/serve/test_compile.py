@@ -53,6 +53,8 @@ def test_compiled_engine_matches_generate_without_recompiling(
     assert outputs == dict(enumerate(references["llama"]))
     assert engine.stats().num_preemptions > 0
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled while serving
+    assert engine.runner.compiled is not None
+    assert engine.runner.compiled.eager_steps == 0  # and every step ran a graph
 
 
 def test_compile_with_lora_is_refused_with_the_reason(model_dirs: dict[str, Path]) -> None:
@@ -102,25 +104,45 @@ def test_compiled_graphs_run_when_the_caller_is_in_inference_mode(
 ) -> None:
     """A caller's `torch.inference_mode()` (benchmarks, lm-eval) must not make the step inputs
     tensors of another kind than the warm-up's: their guards would fail and every step would
-    run eagerly, silently. With guard failures made errors, steps in and out of inference mode
-    run the compiled graphs."""
+    run eagerly. Steps in and out of inference mode run the compiled graphs: none is counted
+    as an eager step."""
     import torch
 
     from serve import SamplingParams
-    from serve.model.compilation import CompiledForward
 
     engine = compiled_engine(model_dirs["llama"], "auto")
-
-    def strict(self: CompiledForward, **inputs: object) -> object:
-        with torch.compiler.set_stance("fail_on_recompile"):
-            return self.compiled(**inputs)
-
-    monkeypatch.setattr(CompiledForward, "__call__", strict)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     for i, mode in enumerate((torch.inference_mode, torch.no_grad, torch.enable_grad)):
         with mode():
             engine.add_request(f"r{i}", [1, 2, 3, 4, 5], params)
             engine.add_request(f"s{i}", [6, 7, 8], params)
             while engine.has_unfinished_requests():
-                engine.step()  # a recompile raises, and the step fails
+                engine.step()
+    assert engine.runner.compiled is not None
+    assert engine.runner.compiled.eager_steps == 0
     assert engine.stats().num_running == 0
+
+
+@needs_cxx
+def test_inputs_no_graph_covers_run_eagerly_and_are_counted() -> None:
+    """After the warm-up, a call whose guards fail (here: another dtype) is not compiled: it
+    runs the eager module, gives its result, and counts one eager step."""
+    import torch
+
+    from serve.model.compilation import CompiledForward
+
+    class Scale(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x * 2).sin() + 1
+
+    forward = CompiledForward(Scale())
+    warm = torch.arange(6, dtype=torch.float32)
+    assert torch.allclose(forward(x=warm), Scale()(warm))  # compiled: equal up to rounding
+    forward.warm = True
+    graphs = counters["stats"]["unique_graphs"]
+    assert torch.allclose(forward(x=warm + 1), Scale()(warm + 1))
+    assert forward.eager_steps == 0
+    other = torch.arange(6, dtype=torch.float64)
+    assert torch.equal(forward(x=other), Scale()(other))  # eager: the same ops, bit for bit
+    assert forward.eager_steps == 1
+    assert counters["stats"]["unique_graphs"] == graphs
