@@ -35,6 +35,10 @@ class LLM:
     def __init__(self, **options):
         if os.environ.get("FAKE_VLLM_FAIL"):
             raise RuntimeError("no kernel for this CPU")
+        if os.environ.get("FAKE_VLLM_CHILD"):  # as vLLM's engine core: a process of its own
+            import subprocess, sys
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            open(os.environ["FAKE_VLLM_CHILD"], "w").write(str(child.pid))
         print("INFO engine up")
         self.llm_engine = _Engine()
     def generate(self, prompts, params, use_tqdm):
@@ -87,6 +91,29 @@ def test_a_worker_that_dies_at_start_raises_naming_its_log(
     with pytest.raises(VllmError, match=str(log)):
         VllmWorker(fake_venv, tmp_path / "model", log).start()
     assert "no kernel for this CPU" in log.read_text()
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_closing_the_worker_ends_the_processes_vllm_started(
+    fake_venv: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's engine core and CPU worker are processes of their own that outlived the frontend
+    (busy for a minute) and slowed the next measurement: close() ends the whole group."""
+    pid_file = tmp_path / "child.pid"
+    monkeypatch.setenv("FAKE_VLLM_CHILD", str(pid_file))
+    with VllmWorker(fake_venv, tmp_path / "model", tmp_path / "vllm.log") as worker:
+        worker.generate([[1]], [1])
+        child = int(pid_file.read_text())
+        assert running(child)
+    assert not running(child)
 
 
 def test_a_missing_venv_is_refused_with_how_to_build_one(tmp_path: Path) -> None:
