@@ -8,8 +8,9 @@ continuation) is one engine request over lm-eval's window: the two cut on the le
 `max_length + 1` tokens, logprobs asked from the continuation's first scored position
 (`prompt_logprobs_from`), `max_tokens` 0. The answer is lm-eval's: the summed logprob of the
 continuation and whether each of its tokens is the most likely one. Requests that share a context
-go in two waves: one per context first, so that its blocks are cached, then the others, which
-read them from the prefix cache (hellaswag's four endings compute their context once). Rolling
+go in waves (`sharing_waves`): one per context first, so that its blocks are cached, then the
+others, which read them from the prefix cache (hellaswag's four endings compute their context
+once), in chunks that fit the KV cache. Rolling
 loglikelihood splits a text into HFLM's disjoint windows and scores each the same way.
 Generation is greedy unless the task's `gen_kwargs` sample, stops at its `until` strings, and
 reads the context's last `max_length - max_gen_toks` tokens.
@@ -35,6 +36,41 @@ from serve.http.flags import parse_size
 MAX_GEN_TOKS = 256
 LM_EVAL_EXTRAS = {"batch_size", "max_batch_size", "device"}
 """What lm-eval's CLI passes every model besides its model_args (the engine batches by itself)."""
+
+
+WAVE_KV_SHARE = 0.8
+"""The share of the KV cache one wave pair may fill (the rest: partial blocks, rounding)."""
+
+
+def sharing_waves(
+    windows: list[tuple[list[int], int]], kv_tokens: int, block_size: int
+) -> list[list[int]]:
+    """Request indices in waves that let requests sharing a context (`window[:start]`) compute
+    it once: a chunk's leaders (one request per context) and then its other requests, which
+    find the leaders' blocks in the prefix cache. Chunks are cut so that what a chunk holds at
+    once (each context once, each request's own tokens and a partial block) fits in
+    `WAVE_KV_SHARE` of the cache: a pair of waves over every request would evict the first
+    leaders' blocks before their followers run whenever the leaders alone overfill the cache,
+    and share (almost) nothing."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (whole, start) in enumerate(windows):
+        groups.setdefault(tuple(whole[:start]), []).append(i)
+    budget = WAVE_KV_SHARE * kv_tokens
+    waves: list[list[int]] = []
+    leaders: list[int] = []
+    followers: list[int] = []
+    used = 0
+    for context, members in groups.items():
+        own = sum(len(windows[i][0]) - len(context) + block_size for i in members)
+        cost = len(context) + own
+        if leaders and used + cost > budget:
+            waves += [leaders, followers]
+            leaders, followers, used = [], [], 0
+        leaders.append(members[0])
+        followers += members[1:]
+        used += cost
+    waves += [leaders, followers]
+    return [wave for wave in waves if wave]
 
 
 @register_model("workbench")
@@ -126,16 +162,11 @@ class EngineLM(TemplateLM):
         self, requests: list[Any], disable_tqdm: bool = False, **_: Any
     ) -> list[tuple[float, bool]]:
         windows = [self._window(list(ctx), list(cont)) for _, ctx, cont in requests]
-        leaders: dict[tuple[int, ...], int] = {}
-        for i, (whole, start) in enumerate(windows):
-            leaders.setdefault(tuple(whole[:start]), i)
-        first = sorted(leaders.values())
-        waves = [first, sorted(set(range(len(requests))) - set(first))]
+        engine = self.llm.engine
+        waves = sharing_waves(windows, engine.kv_tokens, engine.cache_config.block_size)
         answers: dict[int, tuple[float, bool]] = {}
         with tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood (engine)") as bar:
             for wave in waves:
-                if not wave:
-                    continue
                 params = [
                     SamplingParams(
                         max_tokens=0, prompt_logprobs=1, prompt_logprobs_from=windows[i][1]

@@ -13,7 +13,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from evals.engine_lm import EngineLM
+from evals.engine_lm import EngineLM, sharing_waves
 from evals.quality import TaskRequest, run_tasks
 from tests.evals.test_continuation_lm import _requests
 
@@ -146,3 +146,56 @@ def test_recipe_backend_engine_scores_a_model_and_an_adapter_as_hflm_does(tmp_pa
 def test_an_unknown_model_arg_is_refused_by_name(tiny_model_dir: Path) -> None:
     with pytest.raises(TypeError, match=r"unknown model_args \['dtpye'\]; allowed: pretrained"):
         EngineLM(tiny_model_dir, dtpye="float32")
+
+
+def test_sharing_waves_put_each_context_first_in_chunks_that_fit_the_kv_cache() -> None:
+    # 6 contexts of 20 tokens, 4 continuations of 5 tokens each: a context with its requests
+    # holds 20 + 4 x (5 + 8) = 72 tokens; 0.8 x 200 = 160 fits two
+    windows = [([c] * 20 + [100 + k] * 5, 20) for c in range(6) for k in range(4)]
+    waves = sharing_waves(windows, kv_tokens=200, block_size=8)
+    assert waves == [
+        [0, 4],
+        [1, 2, 3, 5, 6, 7],
+        [8, 12],
+        [9, 10, 11, 13, 14, 15],
+        [16, 20],
+        [17, 18, 19, 21, 22, 23],
+    ]
+    # a context bigger than the budget is a chunk of its own; nothing is lost or repeated
+    windows.append(([9] * 300 + [1], 300))
+    waves = sharing_waves(windows, kv_tokens=200, block_size=8)
+    assert waves[-1] == [24] and sorted(i for w in waves for i in w) == list(range(25))
+
+
+def test_contexts_are_computed_once_when_their_first_requests_overfill_the_kv_cache(
+    tiny_model_dir: Path, pair: tuple[EngineLM, HFLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first requests of 12 contexts (300 tokens) do not fit a 208-token KV cache together:
+    in one wave pair the first contexts' blocks were evicted before their other requests ran,
+    and every request computed its whole window. In chunks, each context is computed once."""
+    bytes_per_token = pair[0].llm.engine.runner.layout.bytes_per_token()
+    ours = EngineLM(tiny_model_dir, max_length=MAX_LENGTH, kv_cache=str(208 * bytes_per_token))
+    assert ours.llm.engine.kv_tokens == 208
+    vocab = len(ours.tokenizer)
+    requests: list[tuple[None, list[int], list[int]]] = [
+        (None, [(7 * c + j) % (vocab - 5) + 5 for j in range(20)], [(c + 3 * k) % vocab] * 5)
+        for c in range(12)
+        for k in range(4)
+    ]
+    computed: list[int] = []
+    generate = ours.llm.generate
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        outs = generate(*args, **kwargs)
+        computed.extend(o.usage.prompt_tokens - o.num_cached_tokens for o in outs)
+        return outs
+
+    monkeypatch.setattr(ours.llm, "generate", spy)
+    got = ours._loglikelihood_tokens(requests, disable_tqdm=True)
+    want = pair[1]._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert [s for s, _ in got] == pytest.approx([s for s, _ in want], abs=1e-4)
+    assert [g for _, g in got] == [g for _, g in want]
+    # each context once with its first continuation (25 tokens; 16 of the context in full
+    # blocks), then 3 continuations with the context's partial block: 12 x (25 + 3 x (4 + 5))
+    # = 624, against 12 x 4 x 25 = 1,200 for whole windows
+    assert sum(computed) == 12 * (25 + 3 * (4 + 5))
