@@ -7,7 +7,9 @@
 # env:   VLLM_VENV (default .vllm-venv), VLLM_CPU_KVCACHE_SPACE (GiB, default 2), PORT (8100),
 #        PACKED="DIR ..." (packed variants: each exported as compressed-tensors and served by vLLM,
 #        and served as stored by this server, both asked the same greedy completion and benched;
-#        DEMO=0 skips the demo variants, BENCH=0 the benches)
+#        DEMO=0 skips the demo variants, BENCH=0 the benches, DTYPE (default float32) both
+#        servers' dtype: vLLM's CPU 4-bit kernel (cpu_gemm_wna16, AVX-512 builds) takes
+#        bfloat16 activations only)
 set -uo pipefail
 WORK=${1:-runs/demo}
 OUT=${2:-/tmp/vllm-check}
@@ -27,14 +29,14 @@ URL="http://127.0.0.1:$PORT"
 # check NAME REQUEST_MODEL -- VLLM_SERVE_ARGS...: start vLLM, ask one question, bench, stop.
 check() {
   local name=$1; shift
-  env "${VLLM_ENV[@]}" "$VENV/bin/python" -m vllm.entrypoints.openai.api_server "${@:3}" --port "$PORT" --max-model-len 2048 --dtype float32 >"$OUT/$name.log" 2>&1 &
+  env "${VLLM_ENV[@]}" "$VENV/bin/python" -m vllm.entrypoints.openai.api_server "${@:3}" --port "$PORT" --max-model-len 2048 --dtype "${DTYPE:-float32}" >"$OUT/$name.log" 2>&1 &
   measure $! "$name" "$@"
 }
 
 # ours NAME REQUEST_MODEL -- DIR: the same with this server.
 ours() {
   local name=$1-ours; shift
-  .venv/bin/workbench serve "$3" --port "$PORT" --served-model-name "$1" --dtype float32 >"$OUT/$name.log" 2>&1 &
+  .venv/bin/workbench serve "$3" --port "$PORT" --served-model-name "$1" --dtype "${DTYPE:-float32}" >"$OUT/$name.log" 2>&1 &
   measure $! "$name" "$@"
 }
 

