@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,36 @@ def test_closing_the_worker_ends_the_processes_vllm_started(
         worker.generate([[1]], [1])
         child = int(pid_file.read_text())
         assert running(child)
+    assert not running(child)
+
+
+def state(pid: int) -> str:
+    """The process's state letter, once it has settled on stopped (T) or 2 s have passed
+    (a signal is delivered asynchronously)."""
+    deadline = time.monotonic() + 2
+    while True:
+        letter = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if letter == "T" or time.monotonic() > deadline:
+            return letter
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_vllms_processes_are_stopped_between_calls(
+    fake_venv: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between generate calls every vLLM process is stopped (vLLM's workers spin for a second
+    after a call and slowed the other system's round 3.5x), resumed for the next call, and a
+    stopped worker still closes."""
+    pid_file = tmp_path / "child.pid"
+    monkeypatch.setenv("FAKE_VLLM_CHILD", str(pid_file))
+    with VllmWorker(fake_venv, tmp_path / "model", tmp_path / "vllm.log") as worker:
+        assert worker._process is not None
+        first = worker.generate([[1]], [2])
+        child = int(pid_file.read_text())
+        assert state(worker._process.pid) == "T" and state(child) == "T"
+        assert worker.generate([[4]], [1]).outputs == [[4]] and first.outputs == [[1, 2]]
+        assert state(worker._process.pid) == "T"
     assert not running(child)
 
 
