@@ -119,7 +119,7 @@ def test_a_prefill_sized_call_dequantizes_and_gives_the_kernels_numbers(
     """From `DEQUANTIZE_ROWS` rows a call is a float32 matmul of the dequantized weight, with the
     kernels' bfloat16 scales and their rounding of activations and output: the kernels' products
     up to float32 summation order, so nearly every output is the same bfloat16 value and none is
-    more than one bfloat16 step away."""
+    more than two bfloat16 steps away (one on AVX2)."""
     torch.manual_seed(2)
     weight = torch.randn(208, 256)  # 208 rows: six full int4 blocks of 32 and a short one
     qw = rtn(weight, fmt, sym=sym)
@@ -134,7 +134,10 @@ def test_a_prefill_sized_call_dequantizes_and_gives_the_kernels_numbers(
     kernel = _kernel_rows(module, x)
     assert calls == [0]  # 8-row calls ran the kernel
     ulps = _bfloat16_ulps(y, kernel)
-    assert ulps.max() <= 1 and float((ulps == 0).float().mean()) > 0.99
+    # one bfloat16 step on AVX2 (the kernels emulate bf16 there); with native avx512_bf16 the
+    # int8 kernel sums in another order, and one output of 14,352 (asymmetric int8, 0.40625 vs
+    # 0.41015625) lands two steps away: the bound is two, and nearly all are equal
+    assert ulps.max() <= 2 and float((ulps == 0).float().mean()) > 0.99
     torch.testing.assert_close(y, x @ qw.dequantize().t(), rtol=2e-2, atol=0.25)
     bias = torch.randn(208)
     module.bias = torch.nn.Parameter(bias, requires_grad=False)
