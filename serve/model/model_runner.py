@@ -8,9 +8,7 @@ token), through the model's own head (`logits_to_keep`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -153,11 +151,11 @@ class ModelRunner:
         self.kv_caches = allocate(self.layout, self.num_blocks, cache.block_size, device, smoothing)
         self.adapters = AdapterManager(model, lora, device, self.layout.dtype) if lora else None
         """The LoRA layers wrapped around the model's linears and their device slots."""
-        self.call_model: Callable[..., Any] = model
         self.compiled: CompiledForward | None = None
+        """The forward through `torch.compile` (`--compile`); None: the model is called as is."""
         self.compile_report: CompileReport | None = None
         if compile_model:
-            self.call_model = self.compiled = CompiledForward(model)
+            self.compiled = CompiledForward(model)
             self.compile_report = warm_up(
                 self.compiled, self.execute, self.block_size, self.num_blocks
             )
@@ -197,7 +195,8 @@ class ModelRunner:
         """Float32 logits at `inputs.logits_rows`: [len(logits_rows), vocab]; the attention
         metadata and the step's adapters travel in the step's forward contexts."""
         with step_context(inputs.meta), lora_step_context(lora):
-            result = self.call_model(
+            call = self.compiled if self.compiled is not None else self.model
+            result = call(
                 input_ids=inputs.input_ids[None],
                 position_ids=inputs.positions[None],
                 use_cache=False,
