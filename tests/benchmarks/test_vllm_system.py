@@ -94,12 +94,17 @@ def test_a_worker_that_dies_at_start_raises_naming_its_log(
     assert "no kernel for this CPU" in log.read_text()
 
 
+def state_letter(pid: int) -> str | None:
+    """The process's state from /proc (R, S, T stopped, Z zombie, ...); None: no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
 def running(pid: int) -> bool:
     """The process exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return state_letter(pid) not in (None, "Z")
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
@@ -117,15 +122,13 @@ def test_closing_the_worker_ends_the_processes_vllm_started(
     assert not running(child)
 
 
-def state(pid: int) -> str:
+def state(pid: int) -> str | None:
     """The process's state letter, once it has settled on stopped (T) or 2 s have passed
     (a signal is delivered asynchronously)."""
     deadline = time.monotonic() + 2
-    while True:
-        letter = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        if letter == "T" or time.monotonic() > deadline:
-            return letter
+    while (letter := state_letter(pid)) != "T" and time.monotonic() < deadline:
         time.sleep(0.01)
+    return letter
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
