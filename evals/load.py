@@ -344,7 +344,10 @@ def sweep(url: str, load: LoadEval, model: str | None = None) -> LoadResult:
             rate_points += [at_rate(rate, p) for rate in load.request_rates]
             if load.slo:
                 search = functools.partial(at_rate, p=p)
-                capacities[str(p)] = capacity(ramp, load.slo, search, load.slo_search_steps)
+                found = capacity(ramp, load.slo, search, load.slo_search_steps)
+                capacities[str(p)] = found
+                bar.total -= load.slo_search_steps - len(found.searched)  # stopped at the peak
+                bar.refresh()
     return LoadResult(
         server=info,
         kv_tokens=kv_tokens,

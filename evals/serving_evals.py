@@ -102,7 +102,10 @@ def _chat_length(evals: Evals, model_path: Path) -> int:
 
 
 def load_key(load: LoadEval, variant: VariantResult) -> str:
-    return stored.key(variant.manifest.hash, load.model_dump(mode="json"), *variant.serve.key())
+    """("rate-ceiling": capacities searched above the ramp's peak are measured again.)"""
+    return stored.key(
+        variant.manifest.hash, load.model_dump(mode="json"), "rate-ceiling", *variant.serve.key()
+    )
 
 
 def _sweep(url: str, load: LoadEval, model: str) -> LoadResult:

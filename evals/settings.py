@@ -74,8 +74,9 @@ class LoadEval(_Strict):
     """Capacity under these bounds per prompt length: the highest ramp concurrency, and (by a
     search over Poisson request rates) the highest rate, whose points meet them."""
     slo_search_steps: PositiveInt = Field(default=6, le=20)
-    """Rates measured by the SLO search per prompt length (doubling or halving from the ramp's
-    peak request throughput, then bisecting)."""
+    """Rates measured by the SLO search per prompt length, at most (halving from the ramp's peak
+    request throughput, then bisecting; never above that peak: the search ends when the peak
+    meets the SLO)."""
 
 
 class ServeSettings(_Strict):

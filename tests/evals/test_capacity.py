@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from evals.capacity import max_concurrency, meets, search_rate
+from evals.capacity import capacity, max_concurrency, meets, search_rate
 from evals.load import run_rate_point, sweep
 from evals.load_cli import add_bench_arguments, load_settings
 from evals.results import Percentiles, Point
@@ -60,6 +60,30 @@ def test_search_finds_the_highest_rate_within_the_slo_on_a_known_curve() -> None
     rate, points = search_rate(queue_curve, slo, start=40.0, steps=6)
     assert [p.request_rate for p in points][:4] == [40.0, 20.0, 10.0, 5.0]
     assert rate is not None and 7.5 - 5 / 4 <= rate <= 7.5
+
+
+def test_the_search_never_offers_more_than_the_ceiling() -> None:
+    # met up to 7.5 req/s; the server completes at most 6 (the ramp's peak): 6 is the capacity,
+    # measured once, not the 7.5 a short burst would seem to sustain
+    rate, points = search_rate(queue_curve, Slo(ttft_p95_s=0.2), start=6.0, steps=6, ceiling=6.0)
+    assert rate == 6.0 and [p.request_rate for p in points] == [6.0]
+    # met up to 7.5, starting below a ceiling of 9: doubles to the ceiling, then bisects under it
+    rate, points = search_rate(queue_curve, Slo(ttft_p95_s=0.2), start=4.0, steps=4, ceiling=9.0)
+    assert [p.request_rate for p in points] == [4.0, 8.0, 6.0, 7.0] and rate == 7.0
+    # met up to 2.5 (TTFT 0.0667 s at 2.5): halves from the ceiling, then bisects
+    rate, points = search_rate(queue_curve, Slo(ttft_p95_s=0.0667), start=6.0, steps=4, ceiling=6.0)
+    assert [p.request_rate for p in points] == [6.0, 3.0, 1.5, 2.25] and rate == 2.25
+
+
+def test_capacity_of_a_ramp_is_searched_under_its_peak_request_throughput() -> None:
+    ramp = [
+        point(0.01, c=c).model_copy(update={"request_throughput": t})
+        for c, t in ((1, 2.0), (4, 5.0))
+    ]
+    cap = capacity(ramp, Slo(ttft_p95_s=0.2), queue_curve, steps=6)
+    assert cap.request_rate == 5.0 and [p.request_rate for p in cap.searched] == [5.0]
+    cap = capacity([], Slo(ttft_p95_s=0.2), queue_curve, steps=3)  # no ramp: from 1/s, unbounded
+    assert [p.request_rate for p in cap.searched] == [1.0, 2.0, 4.0] and cap.request_rate == 4.0
 
 
 def test_a_slo_nothing_meets_gives_no_rate() -> None:
@@ -142,9 +166,12 @@ def test_capacity_over_http_on_a_server_with_a_known_latency_curve() -> None:
         result.points, slo
     )
     assert cap.concurrency is None or cap.concurrency < 8
-    # the search starts at the ramp's peak request rate and keeps every point it measured
-    assert len(cap.searched) == 4
-    assert cap.searched[0].request_rate == max(p.request_throughput for p in result.points)
+    # the search starts at the ramp's peak request rate, never offers more, stops when the peak
+    # meets the SLO, and keeps every point it measured
+    peak = max(p.request_throughput for p in result.points)
+    assert cap.searched[0].request_rate == peak
+    assert all(p.request_rate is not None and p.request_rate <= peak for p in cap.searched)
+    assert len(cap.searched) == 4 or (len(cap.searched) == 1 and meets(cap.searched[0], slo))
     met = [p.request_rate for p in cap.searched if meets(p, slo)]
     assert cap.request_rate == (max(met) if met else None)
     assert result.rate_points is not None and result.rate_points[0].request_rate == 20.0
