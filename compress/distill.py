@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -29,6 +30,21 @@ from compress.kd_loss import TopKCache, full_kl, top_k_kl
 from compress.layer_importance import block_influence, most_influential
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.training import TrainConfig, resolve_precision, train
+
+_TEACHER_MEASURES: dict[tuple[Hashable, ...], Any] = {}
+"""What a teacher scores on fixed windows (its validation perplexity, block influence), by the
+teacher's files and the windows' settings: the students of one teacher built in one process (a
+KD student, its CE twin, its removal-only twin) measure it once."""
+
+
+def _teacher_measure(teacher: Path, what: tuple[Hashable, ...], compute: Callable[[], Any]) -> Any:
+    files = tuple(
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(teacher.iterdir())
+    )
+    key = (str(teacher.resolve()), files, *what)
+    if key not in _TEACHER_MEASURES:
+        _TEACHER_MEASURES[key] = compute()
+    return _TEACHER_MEASURES[key]
 
 
 class TopKD(StepParams):
@@ -191,7 +207,7 @@ class Distill(Step):
         teacher.to(ctx.device)  # type: ignore[arg-type]  # transformers types its `to` oddly
         teacher.eval().requires_grad_(False)
         tok = AutoTokenizer.from_pretrained(artifact.path)
-        keep, info = self._choose_layers(teacher, tok, ctx)
+        keep, info = self._choose_layers(teacher, artifact.path, tok, ctx)
         student = student_from(teacher, p, ctx.seed, keep)
         student.to(ctx.device)  # type: ignore[arg-type]
         val = token_rows(tok, load_texts(p.data, "validation", ctx.data), p.seq_len)[:64]
@@ -202,13 +218,17 @@ class Distill(Step):
         info |= {
             "kept_layers": keep,
             "validation_perplexity": perplexity(student, val),
-            "teacher_validation_perplexity": perplexity(teacher, val),
+            "teacher_validation_perplexity": _teacher_measure(
+                artifact.path,
+                ("validation perplexity", p.data, p.seq_len, val.shape[0]),
+                lambda: perplexity(teacher, val),
+            ),
             "mixed_precision": resolve_precision(p.mixed_precision),
         }
         return Artifact(ctx.out_dir, "model", info)
 
     def _choose_layers(
-        self, teacher: PreTrainedModel, tok: Any, ctx: StepContext
+        self, teacher: PreTrainedModel, teacher_path: Path, tok: Any, ctx: StepContext
     ) -> tuple[list[int], dict[str, Any]]:
         p = self.params
         total = teacher.config.num_hidden_layers
@@ -221,7 +241,10 @@ class Distill(Step):
             windows = calibration_rows(tok, params, ctx.data, ctx.seed)
         except ValueError as e:
             raise StepError(f"distill.importance_windows: {e}") from None
-        scores = block_influence(teacher, windows.rows)
+        what = ("block influence", p.data, p.importance_windows, p.seq_len, ctx.seed)
+        scores = _teacher_measure(
+            teacher_path, what, lambda: block_influence(teacher, windows.rows)
+        )
         info = {
             "layer_selection": "importance",
             "layer_importance": {

@@ -140,6 +140,50 @@ def test_top_k_student_trains_from_its_cache(students: dict[str, dict]) -> None:
     assert info["final_loss"] < info["first_loss"]
 
 
+TWINS = """\
+name: twins
+base: demo-tiny
+variants:
+  - {name: kd, steps: [{distill: &s {layers: 1, select: importance, importance_windows: 4, seq_len: 64, steps: 2, batch_size: 2, eval_every: 0, checkpoint_every: 0}}]}
+  - {name: ce, steps: [{distill: {<<: *s, kd: false}}]}
+  - {name: removal, steps: [{distill: {<<: *s, steps: 0}}]}
+  - {name: other-windows, steps: [{distill: {<<: *s, steps: 0, importance_windows: 3}}]}
+"""
+
+
+def test_students_of_one_teacher_measure_it_once(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import compress.distill
+
+    calls: dict[str, int] = {"influence": 0, "perplexity": 0}
+
+    def counted(name: str, f):  # type: ignore[no-untyped-def]
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return f(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(compress.distill, "_TEACHER_MEASURES", {})
+    monkeypatch.setattr(compress.distill, "block_influence", counted("influence", block_influence))
+    monkeypatch.setattr(
+        compress.distill, "perplexity", counted("perplexity", compress.distill.perplexity)
+    )
+    (tmp_path / "recipe.yaml").write_text(TWINS)
+    recipe, base = load_recipe(tmp_path / "recipe.yaml")
+    built = {
+        r.name: r.manifest.to_json()["info"] for r in Pipeline(recipe, base, tmp_path / "w").run()
+    }
+    # block influence: once for the three students on 4 windows, once on 3 windows; perplexity:
+    # the teacher's once (not once per student), each student's once, and the two trained
+    # students' validation at their last step
+    assert calls == {"influence": 2, "perplexity": 1 + 4 + 2}
+    same = [built[n]["layer_importance"]["scores"] for n in ("kd", "ce", "removal")]
+    assert same[0] == same[1] == same[2] != built["other-windows"]["layer_importance"]["scores"]
+    assert len({built[n]["teacher_validation_perplexity"] for n in built}) == 1
+
+
 def test_importance_selection_with_a_layer_list_is_a_recipe_error(tmp_path: Path) -> None:
     path = tmp_path / "r.yaml"
     path.write_text(
