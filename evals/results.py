@@ -217,6 +217,9 @@ class LoadResult(Record):
     """An adapter variant: requests its server ran with it (proof the adapter, not the base, ran)."""
     measured: Omitted[Sitting] = None
     """When and where the load ran (None: stored by a workbench that did not record it)."""
+    measured_on: Omitted[str] = None
+    """The variant whose ramp this is, when it is not this one's: a serving twin (same shapes,
+    formats and serve settings: `evals.serving_twins`)."""
 
     def every_point(self) -> list[Point]:
         """The ramp's points, then the open-loop ones, then the SLO searches'."""

@@ -170,20 +170,50 @@ def _ask(evals: Evals, url: str, variant: VariantResult, work_dir: Path) -> list
 
 def _stored(
     evals: Evals, session: ServerSession, work_dir: Path, force: bool, out: Measurements
-) -> dict[str, bool]:
-    """Put the session's stored load results and chat answers into `out`; {variant: True} for
-    each load result found."""
+) -> dict[str, str]:
+    """Put the session's stored load results and chat answers into `out`; {variant: "reused"}
+    for each load result found (a twin's copy is not reused: it is taken again from its
+    twin's result of this run)."""
     assert evals.load is not None
-    reused = {}
+    status = {}
     for m in session.members:
         path = work_dir / "evals" / m.name / "load.json"
         found = None if force else stored.lookup(path, load_key(evals.load, m), LoadResult)
-        if found is not None:
-            out.load[m.name], reused[m.name] = found, True
+        if found is not None and found.measured_on is None:
+            out.load[m.name], status[m.name] = found, "reused"
         answers = _stored_answers(evals, m, work_dir, force)
         if answers is not None:
             out.answers[m.name] = answers
-    return reused
+    return status
+
+
+Twins = dict[str, str]
+"""Serving signature -> the first variant of the run with it (`evals.serving_twins`)."""
+
+
+def _take_twins(
+    evals: Evals,
+    session: ServerSession,
+    work_dir: Path,
+    status: dict[str, str],
+    out: Measurements,
+    twins: Twins,
+) -> None:
+    """Register the session's measured variants as twins' sources, and give each member whose
+    twin has a result that result (stored under the member's own key, `measured_on` set)."""
+    from evals.serving_twins import serving_signature
+
+    assert evals.load is not None
+    for m in session.members:
+        signature = serving_signature(m, session.model_path)
+        if signature is None:
+            continue
+        source = twins.setdefault(signature, m.name)
+        if m.name in status or source == m.name or source not in out.load:
+            continue
+        copy = out.load[source].model_copy(update={"measured_on": source})
+        stored.store(work_dir / "evals" / m.name / "load.json", load_key(evals.load, m), copy)
+        out.load[m.name], status[m.name] = copy, f"as {source} (serving twin)"
 
 
 def _measure(
@@ -205,16 +235,20 @@ def run_session(
     force: bool,
     out: Measurements,
     check: Callable[[str, str], None] | None = None,
-) -> dict[str, bool]:
-    """Measures the session's variants into `out` (load results, chat answers); {variant: its
-    load result was reused}. `check(url, served name)` runs once the server is up."""
+    twins: Twins | None = None,
+) -> dict[str, str]:
+    """Measures the session's variants into `out` (load results, chat answers); {variant:
+    "measured", "reused" or what twin's result it took}. `check(url, served name)` runs once
+    the server is up; `twins` carries serving twins across the run's sessions."""
     from evals.load_cli import served
 
-    reused = _stored(evals, session, work_dir, force, out)
-    pending = [m for m in session.members if m.name not in reused]
+    twins = {} if twins is None else twins
+    status = _stored(evals, session, work_dir, force, out)
+    _take_twins(evals, session, work_dir, status, out, twins)
+    pending = [m for m in session.members if m.name not in status]
     asked = [m for m in session.members if m.name not in out.answers and evals.chat_prompts]
     if not pending and not asked and check is None:
-        return reused
+        return status
     if session.model_variant is not None:
         name, log_name = session.model_variant.name, session.model_variant.name
     else:  # a base that is no variant of the recipe, serving only adapters
@@ -233,14 +267,14 @@ def run_session(
             if m in asked:
                 out.answers[m.name] = _ask(evals, url, m, work_dir)
             if m in pending:
-                out.load[m.name], reused[m.name] = (
-                    _measure(evals, url, m, is_adapter, work_dir),
-                    False,
-                )
+                _take_twins(evals, session, work_dir, status, out, twins)
+            if m in pending and m.name not in status:
+                out.load[m.name] = _measure(evals, url, m, is_adapter, work_dir)
+                status[m.name] = "measured"
             if is_adapter:
                 with contextlib.suppress(RuntimeError):
                     _post(url, "/v1/unload_lora_adapter", {"lora_name": m.name})
-    return reused
+    return status
 
 
 def _server_check(
@@ -285,12 +319,13 @@ def measure_serving(
 ) -> None:
     """Load, chat answers and (on the first model variant's server) the server check."""
     checked = False
+    twins: Twins = {}
     for session in server_sessions(results):
         check = None
         if session.model_variant is not None and not checked:
             check = _server_check(evals, session.model_variant, work_dir, force, out)
             checked = True
-        for name, reused in run_session(evals, session, work_dir, force, out, check).items():
-            progress(f"load {name}: {'reused' if reused else 'measured'}")
-            if reused:
+        for name, status in run_session(evals, session, work_dir, force, out, check, twins).items():
+            progress(f"load {name}: {status}")
+            if status == "reused":
                 out.reused.append(f"{name}/load")

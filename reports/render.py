@@ -14,7 +14,7 @@ from typing import Any
 
 from reports.comparisons import describe_delta, describe_mde
 from reports.metrics import GROUPS
-from reports.sittings import sitting_lines
+from reports.sittings import sitting_lines, twin_lines
 
 
 def fmt(value: Any, kind: str) -> str:
@@ -165,6 +165,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [f"- {s}" for s in saturation_lines(report)]
     sittings = sitting_lines(report)
     lines += ["", sittings[0], "", *(f"- {s}" for s in sittings[1:])] if sittings else []
+    twins = twin_lines(report)
+    lines += ["", *(f"- {s}" for s in twins)] if twins else []
     checks = server_check_lines(report)
     lines += ["", *checks] if checks else []
     for prompt, answers in answer_table(report):
@@ -208,6 +210,9 @@ def html_tables(report: dict[str, Any]) -> str:
     if sittings:
         items = "".join(f"<li>{html.escape(s)}</li>" for s in sittings[1:])
         parts.append(f"<p id='sittings'>{html.escape(sittings[0])}</p><ul>{items}</ul>")
+    twins = "".join(f"<li>{html.escape(s)}</li>" for s in twin_lines(report))
+    if twins:
+        parts.append(f"<ul id='twins'>{twins}</ul>")
     return "".join(parts) + html_answers(report)
 
 

@@ -79,3 +79,17 @@ def sitting_lines(report: dict[str, Any]) -> list[str]:
             when = f"{start:%Y-%m-%d %H:%M} to {end:%H:%M} UTC"
             lines.append(f"{names}: {when} on {s['host']} ({s['cpu']}, {s['cpu_count']} CPUs)")
     return lines
+
+
+def twin_lines(report: dict[str, Any]) -> list[str]:
+    """One line per variant whose load figures are a serving twin's (`evals.serving_twins`)."""
+    lines = []
+    for v in report["variants"]:
+        source = (v.get("load") or {}).get("measured_on")
+        if source:
+            lines.append(
+                f"{v['name']}: serving figures measured on {source}, its serving twin (the same "
+                "shapes, formats and serve settings; the load requests do not depend on the "
+                "weights' values)"
+            )
+    return lines
