@@ -3,12 +3,14 @@ and documents.
 
 `python -m benchmarks.lm_eval_bench [--model gemma3-270m] [--tasks hellaswag,arc_easy,piqa]
 [--limit 40] [--batch-size 16] [--max-length 512] [--rounds 2]
-[--systems hflm,continuation,engine] [--dtype float32]`
+[--systems hflm,continuation,engine] [--dtype float32] [--hflm-softmax-dtype float32]`
 
 Model: every system scores the same seeded document subsets in `--dtype` (the recipe's quality
 settings); the systems alternate round by round and each one's median wall time is reported,
 with its speed against HFLM's, and whether every logged answer agrees with HFLM's
-(log-likelihoods within 1e-3 nats, accuracies equal).
+(log-likelihoods within 1e-3 nats, accuracies equal). HFLM takes the log-softmax in the model's
+dtype unless `--hflm-softmax-dtype float32` (lm-eval's `softmax_dtype`); `ContinuationLM` and the
+engine always take it in float32, so in bfloat16 only that setting compares the models alone.
 """
 
 from __future__ import annotations
@@ -34,12 +36,19 @@ def _system(name: str, model: Any, tokenizer: Any, model_dir: Any, args: Any) ->
 
     if name == "engine":
         return EngineLM(model_dir, dtype=args.dtype, max_length=args.max_length)
-    cls = {"hflm": HFLM, "continuation": ContinuationLM}[name]
-    return cls(
+    if name == "continuation":
+        return ContinuationLM(
+            pretrained=model,
+            tokenizer=tokenizer,
+            batch_size=args.batch_size,
+            max_length=args.max_length,
+        )
+    return HFLM(
         pretrained=model,
         tokenizer=tokenizer,
         batch_size=args.batch_size,
         max_length=args.max_length,
+        softmax_dtype=args.hflm_softmax_dtype,
     )
 
 
@@ -77,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--systems", default="hflm,continuation,engine")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--hflm-softmax-dtype",
+        default=None,
+        choices=["float32"],
+        help="HFLM's log-softmax dtype (default: the model's, lm-eval's own default)",
+    )
     args = parser.parse_args(argv)
     systems = args.systems.split(",")
     if "hflm" not in systems or not set(systems) <= {"hflm", "continuation", "engine"}:
@@ -100,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     hflm = statistics.median(seconds["hflm"])
     print(
         f"{model_dir.name}: {args.tasks} x {args.limit} docs, {args.dtype}, median of {args.rounds}"
+        f", HFLM's log-softmax in {args.hflm_softmax_dtype or args.dtype}"
     )
     for name in systems:
         median = statistics.median(seconds[name])
