@@ -191,29 +191,27 @@ Twins = dict[str, str]
 """Serving signature -> the first variant of the run with it (`evals.serving_twins`)."""
 
 
-def _take_twins(
+def _take_twin(
     evals: Evals,
-    session: ServerSession,
+    m: VariantResult,
+    signature: str | None,
     work_dir: Path,
     status: dict[str, str],
     out: Measurements,
     twins: Twins,
 ) -> None:
-    """Register the session's measured variants as twins' sources, and give each member whose
-    twin has a result that result (stored under the member's own key, `measured_on` set)."""
-    from evals.serving_twins import serving_signature
-
+    """Register `m` as its signature's source when it is the first with it; else, once the
+    source has a result and `m` has none, give `m` that result (stored under `m`'s own key,
+    `measured_on` set)."""
     assert evals.load is not None
-    for m in session.members:
-        signature = serving_signature(m, session.model_path)
-        if signature is None:
-            continue
-        source = twins.setdefault(signature, m.name)
-        if m.name in status or source == m.name or source not in out.load:
-            continue
-        copy = out.load[source].model_copy(update={"measured_on": source})
-        stored.store(work_dir / "evals" / m.name / "load.json", load_key(evals.load, m), copy)
-        out.load[m.name], status[m.name] = copy, f"as {source} (serving twin)"
+    if signature is None:
+        return
+    source = twins.setdefault(signature, m.name)
+    if m.name in status or source == m.name or source not in out.load:
+        return
+    copy = out.load[source].model_copy(update={"measured_on": source})
+    stored.store(work_dir / "evals" / m.name / "load.json", load_key(evals.load, m), copy)
+    out.load[m.name], status[m.name] = copy, f"as {source} (serving twin)"
 
 
 def _measure(
@@ -241,10 +239,13 @@ def run_session(
     "measured", "reused" or what twin's result it took}. `check(url, served name)` runs once
     the server is up; `twins` carries serving twins across the run's sessions."""
     from evals.load_cli import served
+    from evals.serving_twins import serving_signature
 
     twins = {} if twins is None else twins
     status = _stored(evals, session, work_dir, force, out)
-    _take_twins(evals, session, work_dir, status, out, twins)
+    signatures = {m.name: serving_signature(m, session.model_path) for m in session.members}
+    for m in session.members:
+        _take_twin(evals, m, signatures[m.name], work_dir, status, out, twins)
     pending = [m for m in session.members if m.name not in status]
     asked = [m for m in session.members if m.name not in out.answers and evals.chat_prompts]
     if not pending and not asked and check is None:
@@ -266,8 +267,8 @@ def run_session(
                 _post(url, "/v1/load_lora_adapter", body)
             if m in asked:
                 out.answers[m.name] = _ask(evals, url, m, work_dir)
-            if m in pending:
-                _take_twins(evals, session, work_dir, status, out, twins)
+            if m in pending:  # its twin may have been measured earlier in this session
+                _take_twin(evals, m, signatures[m.name], work_dir, status, out, twins)
             if m in pending and m.name not in status:
                 out.load[m.name] = _measure(evals, url, m, is_adapter, work_dir)
                 status[m.name] = "measured"
