@@ -38,9 +38,8 @@ KD student, its CE twin, its removal-only twin) measure it once."""
 
 
 def _teacher_measure(teacher: Path, what: tuple[Hashable, ...], compute: Callable[[], Any]) -> Any:
-    files = tuple(
-        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(teacher.iterdir())
-    )
+    stats = [(f.name, f.stat()) for f in sorted(teacher.iterdir())]
+    files = tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats)
     key = (str(teacher.resolve()), files, *what)
     if key not in _TEACHER_MEASURES:
         _TEACHER_MEASURES[key] = compute()
