@@ -214,9 +214,11 @@ class Distill(Step):
             info |= self._train(teacher, student, tok, val, ctx)
         student.save_pretrained(ctx.out_dir)
         copy_side_files(artifact.path, ctx.out_dir)
+        by_step = info.get("validation_perplexity_by_step")
         info |= {
             "kept_layers": keep,
-            "validation_perplexity": perplexity(student, val),
+            # training ends by validating the final weights on `val`: that figure, not a second pass
+            "validation_perplexity": by_step[-1][1] if by_step else perplexity(student, val),
             "teacher_validation_perplexity": _teacher_measure(
                 artifact.path,
                 ("validation perplexity", p.data, p.seq_len, val.shape[0]),

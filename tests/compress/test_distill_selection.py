@@ -176,9 +176,12 @@ def test_students_of_one_teacher_measure_it_once(
         r.name: r.manifest.to_json()["info"] for r in Pipeline(recipe, base, tmp_path / "w").run()
     }
     # block influence: once for the three students on 4 windows, once on 3 windows; perplexity:
-    # the teacher's once (not once per student), each student's once, and the two trained
-    # students' validation at their last step
-    assert calls == {"influence": 2, "perplexity": 1 + 4 + 2}
+    # the teacher's once (not once per student), the two trained students' validation at their
+    # last step (their final figure, not measured again), the two removal-only students' own
+    assert calls == {"influence": 2, "perplexity": 1 + 2 + 2}
+    for name in ("kd", "ce"):
+        last_step = built[name]["validation_perplexity_by_step"][-1]
+        assert built[name]["validation_perplexity"] == last_step[1]
     same = [built[n]["layer_importance"]["scores"] for n in ("kd", "ce", "removal")]
     assert same[0] == same[1] == same[2] != built["other-windows"]["layer_importance"]["scores"]
     assert len({built[n]["teacher_validation_perplexity"] for n in built}) == 1
