@@ -35,9 +35,11 @@ class ArtifactEval(Record):
     trainable_parameters: int
     """LoRA parameters (0 for a model)."""
     eval_rows: int
+    """0: perplexity not measured here (the recipe's divergence eval measures it, with standard
+    errors, on its own windows)."""
     eval_seq_len: int
-    perplexity_corpus: float
-    perplexity_shift: float
+    perplexity_corpus: Omitted[float] = None
+    perplexity_shift: Omitted[float] = None
 
 
 class RecipeRef(Record):

@@ -1,6 +1,7 @@
 """What every variant's manifest records about the loaded model: memory, load time, perplexities.
 
-Perplexity is measured on the demo corpora's validation splits (the base corpus and the shifted
+Perplexity is measured (unless the caller leaves it to the recipe's divergence eval, which
+measures it with standard errors: the same forward passes, twice, otherwise) on the demo corpora's validation splits (the base corpus and the shifted
 domain), with the variant's own tokenizer, over the first `EVAL_ROWS` rows of `SEQ_LEN` tokens
 (`LARGE_MODEL_ROWS` for models whose embedding has over `LARGE_EMBEDDING` parameters, where 64
 rows cost half a minute a variant on 2 cores and the recipe's evals measure the same more
@@ -65,7 +66,8 @@ def rows_for(model: torch.nn.Module) -> int:
     return LARGE_MODEL_ROWS if large else EVAL_ROWS
 
 
-def evaluate(artifact: Artifact) -> ArtifactEval:
+def evaluate(artifact: Artifact, perplexity_rows: bool = True) -> ArtifactEval:
+    """`perplexity_rows`: score the corpora's rows (else `eval_rows` is 0 and no perplexity)."""
     from transformers import AutoTokenizer
 
     started = time.perf_counter()
@@ -78,10 +80,10 @@ def evaluate(artifact: Artifact) -> ArtifactEval:
         "bytes_in_memory": memory_bytes(model),
         "parameters_loaded": sum(p.numel() for p in model.parameters()),
         "trainable_parameters": sum(p.numel() for n, p in model.named_parameters() if "lora_" in n),
-        "eval_rows": rows_for(model),
+        "eval_rows": rows_for(model) if perplexity_rows else 0,
         "eval_seq_len": SEQ_LEN,
     }
-    for name in ("corpus", "shift"):
+    for name in ("corpus", "shift") if perplexity_rows else ():
         rows = token_rows(tok, load_texts(name, "validation", NAMED), SEQ_LEN)[: rows_for(model)]
         measured[f"perplexity_{name}"] = perplexity(model, rows)
     return ArtifactEval.model_validate(measured)

@@ -67,8 +67,15 @@ def run(
     work = Path(work_dir or Path("runs") / recipe.name)
     out_dir = Path(report_dir or recipe.report.output_dir or Path("reports") / recipe.name)
     progress(f"recipe {recipe.name}: base {base.name} ({base.kind}), work dir {work}")
+    # with a divergence eval the recipe measures perplexity itself (same rows, standard errors)
+    rows = recipe.evals.divergence is None
     pipeline = Pipeline(
-        recipe, base, work, force=force, evaluate=evaluate, keep_checkpoints=keep_checkpoints
+        recipe,
+        base,
+        work,
+        force=force,
+        evaluate=lambda made: evaluate(made, perplexity_rows=rows),
+        keep_checkpoints=keep_checkpoints,
     )
     with pipeline.locked():  # measured under the lock the build took
         results = pipeline.run(variants, on_result=on_variant)

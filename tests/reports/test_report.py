@@ -346,6 +346,21 @@ def test_force_builds_and_measures_again(small_run: Run, tmp_path: Path) -> None
     assert stored["result"] | {"divergence": divergence["result"]} == quality
 
 
+def test_manifests_leave_perplexity_to_the_divergence_eval(small_run: Run) -> None:
+    """With a divergence eval in the recipe the build records memory and load time only: its
+    perplexity would repeat the divergence eval's forward passes on the same rows."""
+    for name in VARIANTS:
+        manifest = json.loads(
+            (small_run.root / f"runs/small/variants/{name}/workbench.json").read_text()
+        )
+        assert manifest["eval"]["eval_rows"] == 0 and manifest["eval"]["bytes_in_memory"] > 0
+        assert "perplexity_corpus" not in manifest["eval"]
+    report = report_of(small_run)
+    assert all(
+        v["quality"]["divergence"]["data"]["corpus"]["perplexity"] > 1 for v in report["variants"]
+    )
+
+
 def test_divergence_and_chat_answers_of_every_variant(small_run: Run) -> None:
     report = report_of(small_run)
     rows = {v["name"]: v["row"] for v in report["variants"]}
