@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from evals.divergence import divergence
+from evals.divergence import ReferenceMemo, divergence, window_log_probs
 
 
 def test_divergence_equals_a_direct_computation(tiny_model_dir: Path) -> None:
@@ -45,3 +45,29 @@ def test_divergence_equals_a_direct_computation(tiny_model_dir: Path) -> None:
     assert itself["kl_mean"] == 0.0 and itself["top1_agreement"] == 1.0
     assert itself["perplexity"] == pytest.approx(itself["reference_perplexity"])
     assert itself["reference_perplexity"] == pytest.approx(stats["reference_perplexity"])
+
+
+def test_a_side_given_as_its_scores_gives_the_same_figures(tiny_model_dir: Path) -> None:
+    """The pipeline scores the reference once and hands its log-probabilities to every variant."""
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p, generator=torch.Generator().manual_seed(0)))
+    rows = torch.randint(6, 500, (5, 24), generator=torch.Generator().manual_seed(1))
+    scores = window_log_probs(ref, rows, batch_size=2)
+    assert [tuple(s.shape) for s in scores] == [(2, 23, 512), (2, 23, 512), (1, 23, 512)]
+    direct = divergence(ref, other, rows, target_bytes=400, batch_size=2)
+    assert divergence(scores, other, rows, target_bytes=400, batch_size=2) == direct
+    itself = divergence(ref, ref, rows, target_bytes=400, batch_size=2)
+    assert divergence(scores, scores, rows, target_bytes=400, batch_size=2) == itself
+
+
+def test_the_reference_memo_keeps_scores_within_its_budget() -> None:
+    one = [torch.zeros(2, 3, 4)]  # 96 bytes
+    memo = ReferenceMemo(budget_bytes=200)
+    assert memo.put("a", one) and memo.get("a") is one
+    assert memo.put("b", [torch.zeros(2, 3, 4)])
+    assert not memo.put("c", [torch.zeros(2, 3, 4)])  # 288 > 200: computed again when asked
+    assert memo.get("c") is None and memo.used == 192
+    assert not memo.put("a", [torch.ones(2, 3, 4)]) and memo.get("a") is one

@@ -376,7 +376,7 @@ def test_divergence_and_chat_answers_of_every_variant(small_run: Run) -> None:
     assert rows["base"]["ppl_corpus"] == base_ppl
     for v in report["variants"][1:]:
         stats = v["quality"]["divergence"]["data"]["corpus"]
-        assert stats["reference_perplexity"] == pytest.approx(base_ppl, rel=1e-6)
+        assert stats["reference_perplexity"] == base_ppl  # the reference scored once
     answers = report["answers"]
     assert sorted(answers) == sorted(VARIANTS)
     assert [a["prompt"] for a in answers["base"]] == ["Return the", "hi"]
