@@ -41,3 +41,21 @@ def test_steps_accept_auto_and_refuse_other_values() -> None:
     assert DistillParams.model_validate(distill, context=context).mixed_precision == "auto"
     with pytest.raises(ValueError, match="'no', 'bf16' or 'auto'"):
         LoraParams.model_validate({**lora, "mixed_precision": "fp16"}, context=context)
+
+
+def test_adamw_is_fused_where_its_kernel_runs_and_steps_as_the_default_does() -> None:
+    weights = [torch.randn(64, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    assert training.fused_adamw([torch.nn.Parameter(w) for w in weights])
+    assert not training.fused_adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))])
+    assert not training.fused_adamw([])
+    moved = []
+    for fused in (True, False):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95), fused=fused)
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = torch.sin(p.detach() * (step + i + 1))
+            opt.step()
+        moved.append(torch.cat([p.detach().flatten() for p in params]))
+    assert not torch.equal(moved[0], torch.cat([w.flatten() for w in weights]))
+    torch.testing.assert_close(moved[0], moved[1], rtol=1e-6, atol=1e-6)
