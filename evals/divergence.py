@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-
 BATCH = 8
 """Windows per forward pass."""
 
