@@ -26,7 +26,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from compress.artifact import Artifact, copy_side_files
 from compress.calibration import CalibrationParams, calibration_rows
 from compress.data import check_data_in_context, load_texts, perplexity, token_rows
-from compress.kd_loss import TopKCache, full_kl, top_k_kl
+from compress.kd_loss import TopKCache, kd_and_ce, top_k_kl
 from compress.layer_importance import block_influence, most_influential
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.training import TrainConfig, resolve_precision, train
@@ -156,7 +156,8 @@ def _distill_loss(
     teacher: torch.nn.Module, p: DistillParams, cache: TopKCache | None
 ) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
     def loss(student: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        out = student(input_ids=batch, labels=batch)
+        full = p.kd is True  # the KL and the cross-entropy in one pass (`kd_and_ce`)
+        out = student(input_ids=batch) if full else student(input_ids=batch, labels=batch)
         if not p.kd:
             return out.loss
         bf16 = resolve_precision(p.mixed_precision) == "bf16"
@@ -166,10 +167,9 @@ def _distill_loss(
             else:
                 t_logits = teacher(input_ids=batch).logits[:, :-1]
         s_logits = out.logits[:, :-1]
-        if cache is not None:
-            kl = top_k_kl(s_logits, top, p.temperature)
-        else:
-            kl = full_kl(s_logits, t_logits, p.temperature)
+        if cache is None:
+            return kd_and_ce(s_logits, t_logits, batch[:, 1:], p.alpha, p.temperature)
+        kl = top_k_kl(s_logits, top, p.temperature)
         return p.alpha * p.temperature**2 * kl + (1 - p.alpha) * out.loss
 
     return loss

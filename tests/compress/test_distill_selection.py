@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from compress.kd_loss import TopK, TopKCache, full_kl, top_k_kl
+import compress.kd_loss
+from compress.kd_loss import TopK, TopKCache, full_kl, kd_and_ce, top_k_kl
 from compress.layer_importance import block_influence, most_influential
 from workbench.pipeline import Pipeline
 from workbench.recipe import RecipeError, load_recipe
@@ -66,6 +68,33 @@ def test_top_k_kl_over_the_whole_vocabulary_is_the_full_kl(temperature: float) -
         assert float(top_k_kl(student, TopK.of(teacher, k, temperature), temperature)) <= float(
             full
         )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_kd_loss_equals_the_kl_and_cross_entropy_it_blends(
+    temperature: float, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Value and gradient against autograd through `full_kl` and `cross_entropy`, over rows
+    that span several blocks (the last one partial)."""
+    monkeypatch.setattr(compress.kd_loss, "BLOCK_BYTES", 4 * 50 * 4)  # 4 rows a block
+    gen = torch.Generator().manual_seed(0)
+    teacher = (torch.randn(2, 7, 50, generator=gen) * 3).to(dtype)
+    student = (torch.randn(2, 7, 50, generator=gen) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(0, 50, (2, 7), generator=gen)
+    alpha = 0.9
+    exact = student.detach().float().requires_grad_()  # the reference, in float32
+    reference = alpha * temperature**2 * full_kl(exact, teacher, temperature) + (
+        1 - alpha
+    ) * F.cross_entropy(exact.flatten(0, 1), labels.flatten())
+    (reference_grad,) = torch.autograd.grad(reference, exact)
+    fused = kd_and_ce(student, teacher, labels, alpha, temperature)
+    (fused_grad,) = torch.autograd.grad(2.0 * fused, student)  # an upstream gradient is applied
+    assert fused.dtype == torch.float32
+    assert float(fused) == pytest.approx(float(reference), rel=1e-5)
+    assert fused_grad.dtype == dtype  # rounded once to the logits' dtype
+    rtol = 1e-4 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(fused_grad.float(), 2.0 * reference_grad, rtol=rtol, atol=1e-6)
 
 
 def test_top_k_cache_runs_the_teacher_once_per_window() -> None:
