@@ -10,7 +10,8 @@
   A quantized embedding's rows are written dequantized (the format quantizes linears only).
 - `gguf`: one GGUF file for llama.cpp (`compress.gguf_export`): what the variant quantized in a
   GGML type of its bits (4-bit -> Q4_1, 8-bit -> Q8_0), the rest in its float dtype, or every
-  2-D weight in `gguf_type`; tokenizer and chat template in its metadata. Packed variants, float
+  2-D weight in `gguf_type` (a K-quant such as q4_k_m: the float32 file handed to llama.cpp's
+  quantizer, `compress.gguf_kquants`); tokenizer and chat template in its metadata. Packed variants, float
   ones and int4-wo (whose bfloat16 weights torchao quantizes at load) export to it. An adapter
   exports to it as a GGUF LoRA file (`compress.gguf_lora`) for llama.cpp's `--lora`.
 Contract: the export dir appears whole or not at all (written beside it and renamed last); a
@@ -29,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from compress.artifact import atomic_dir
+from compress.gguf_kquants import K_QUANTS, QuantizerError, find_quantizer, quantize, tensor_types
 from compress.load_spec import PACKED, LoadSpec, read_load_spec
 from compress.packed import PackedFormat, Quantized
 from compress.packed_io import (
@@ -59,17 +61,29 @@ def exports_of(spec: LoadSpec) -> tuple[ExportFormat, ...]:
     return ()
 
 
-def export(source: Path, fmt: str, out: Path, gguf_type: str | None = None) -> dict[str, Any]:
+def export(
+    source: Path,
+    fmt: str,
+    out: Path,
+    gguf_type: str | None = None,
+    llama_quantize: str | None = None,
+) -> dict[str, Any]:
     """Write `source` (a variant dir) as `fmt` into `out` (which must not exist); returns what
     was written: format, files, bytes, and per scheme the modules it holds (for gguf: tensors
-    per GGML type). `gguf_type`: the GGML type of a gguf export's weights."""
+    per GGML type). `gguf_type`: the GGML type of a gguf export's weights (a K-quant runs
+    llama.cpp's quantizer: `llama_quantize`, see `compress.gguf_kquants`)."""
     if (source / "adapter_config.json").is_file():
+        if gguf_type in K_QUANTS:
+            raise ExportError(
+                f"--gguf-type {gguf_type}: llama.cpp quantizes models, not LoRA files; a GGUF "
+                "LoRA is f32, f16, bf16 or q8_0"
+            )
         return _export_adapter(source, fmt, out, gguf_type)
     spec = _checked(source, fmt, out)
     if gguf_type is not None and fmt != "gguf":
         raise ExportError(f"--gguf-type is for --format gguf, not {fmt}")
     if fmt == "gguf":
-        return _export_gguf(spec, out, gguf_type)
+        return _export_gguf(spec, out, gguf_type, llama_quantize)
     with atomic_dir(out) as tmp:
         config = json.loads((source / "config.json").read_text())
         state, codes = (
@@ -90,9 +104,17 @@ def export(source: Path, fmt: str, out: Path, gguf_type: str | None = None) -> d
     return {"format": fmt, "path": str(out), "files": files, "bytes": size, "schemes": schemes}
 
 
-def _export_gguf(spec: LoadSpec, out: Path, gguf_type: str | None) -> dict[str, Any]:
+def _export_gguf(
+    spec: LoadSpec, out: Path, gguf_type: str | None, llama_quantize: str | None
+) -> dict[str, Any]:
     from compress.gguf_export import GGUF_FILE, GgufExportError, float_type, write_gguf
 
+    quantizer = None
+    if gguf_type in K_QUANTS:  # found before anything is written
+        try:
+            quantizer = find_quantizer(llama_quantize)
+        except QuantizerError as e:
+            raise ExportError(f"--gguf-type {gguf_type}: {e}") from None
     types: dict[str, str] = {}  # the weights the variant quantized, in a type of its bits
     if spec.format == "packed":
         state, codes = packed_weights(spec)
@@ -112,11 +134,17 @@ def _export_gguf(spec: LoadSpec, out: Path, gguf_type: str | None) -> dict[str, 
             }
     rest = float_type(state)
     if gguf_type is not None:  # one type for every 2-D weight
-        types, rest = {}, gguf_type
+        types, rest = {}, gguf_type if quantizer is None else "f32"
     with atomic_dir(out) as tmp:
+        written = tmp / (GGUF_FILE if quantizer is None else "float32.gguf")
         try:
-            counts = write_gguf(spec.path, state, types, rest, tmp / GGUF_FILE)
-        except GgufExportError as e:
+            counts = write_gguf(spec.path, state, types, rest, written)
+            if quantizer is not None:
+                assert gguf_type is not None
+                quantize(quantizer, written, tmp / GGUF_FILE, gguf_type)
+                written.unlink()
+                counts = tensor_types(tmp / GGUF_FILE)
+        except (GgufExportError, QuantizerError) as e:
             raise ExportError(str(e)) from None
     size = (out / GGUF_FILE).stat().st_size
     return {

@@ -6,7 +6,7 @@ names (`gguf.TensorNameMap`): the weights the variant quantized in a GGML type o
 (4 -> Q4_1, the asymmetric min/scale grid of torchao's and RTN's 4-bit; 8 -> Q8_0), the weights it
 kept in float in its float dtype, norms in F32, as llama.cpp's converter does; `--gguf-type`
 puts every 2-D weight in one type (F32, F16, BF16, Q8_0, Q4_0, Q4_1: the types the `gguf`
-package quantizes).
+package quantizes; the K-quants through llama.cpp's quantizer, `compress.gguf_kquants`).
 Llama's q/k projections are permuted to GGML's interleaved rotary layout (the inverse of what
 transformers' GGUF loader undoes). The hyperparameters, the tokenizer (byte-level BPE as `gpt2`:
 tokens, token types, merges, special ids, and the name of its pre-tokenizer's regex:
@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from compress.gguf_kquants import K_QUANTS
 from compress.gguf_pretokenizer import UnknownPreTokenizer, pre_tokenizer_name
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
@@ -65,7 +66,8 @@ def write_gguf(
     for wanted in {rest, *types.values()}:
         if wanted not in GGUF_TYPES:
             raise GgufExportError(
-                f"--gguf-type: found {wanted!r}; allowed: {', '.join(GGUF_TYPES)}"
+                f"--gguf-type: found {wanted!r}; allowed: {', '.join(GGUF_TYPES)}, and with "
+                f"llama.cpp's quantizer {', '.join(K_QUANTS)}"
             )
     tok = AutoTokenizer.from_pretrained(source)
     backend = json.loads(tok.backend_tokenizer.to_str())

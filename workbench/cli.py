@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from compress.gguf_kquants import K_QUANTS
 from evals.load_cli import add_bench_arguments
 from serve.http.cli import add_serve_arguments, int_in
 from workbench.pipeline import Pipeline, PipelineError, VariantResult
@@ -186,7 +187,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         else source.parent.parent / "exports" / (f"{source.name}-{args.format}")
     )
     try:
-        info = export(source, args.format, out_dir, args.gguf_type)
+        info = export(source, args.format, out_dir, args.gguf_type, args.llama_quantize)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -265,9 +266,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gguf-type",
-        choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"],
+        choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", *K_QUANTS],
         help="GGML type of a gguf export's weights (default: the variant's own: 4-bit -> q4_1, "
-        "8-bit -> q8_0, float -> its dtype; an adapter's GGUF LoRA: f32, or f16, bf16, q8_0)",
+        "8-bit -> q8_0, float -> its dtype; an adapter's GGUF LoRA: f32, or f16, bf16, q8_0); "
+        "the K-quants (q4_k_m, ...) are written by llama.cpp's quantizer",
+    )
+    p.add_argument(
+        "--llama-quantize",
+        metavar="PATH",
+        help="llama.cpp's quantizer for K-quant types: a llama-quantize binary, or a Python with "
+        "llama-cpp-python (default: $WORKBENCH_LLAMA_QUANTIZE, else llama-quantize on PATH)",
     )
     p.add_argument(
         "--out", help="the dir to write (default: runs/<recipe>/exports/<name>-<format>)"

@@ -103,8 +103,8 @@ def test_gguf_type_errors(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
     assert main(["export", str(tiny_model_dir), "--format", "gguf", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "model.gguf" in printed and "F32 (GGUF)" in printed  # a float32 model: its dtype
-    with pytest.raises(SystemExit):  # argparse: "invalid choice: 'q2_k'"
-        main(["export", str(tiny_model_dir), "--format", "gguf", "--gguf-type", "q2_k"])
+    with pytest.raises(SystemExit):  # argparse: "invalid choice: 'q4_z'"
+        main(["export", str(tiny_model_dir), "--format", "gguf", "--gguf-type", "q4_z"])
 
 
 def _backend(pre: object) -> dict:
