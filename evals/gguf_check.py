@@ -1,7 +1,8 @@
 """Does llama.cpp run our GGUF exports as the workbench runs the variants? (issue 24's check)
 
 `python -m evals.gguf_check prepare DIR VARIANT_DIR... [--windows 8] [--seq-len 128]`: exports
-each variant as GGUF (its own default type) into DIR/<name>/, cuts held-out windows of the demo
+each variant as GGUF (its own default type; `--gguf-type T [--llama-quantize Q]`: every model
+variant in T, into DIR/<name>-<T>/) into DIR/<name>/, cuts held-out windows of the demo
 corpus's validation split with the variant's tokenizer, and stores per window the variant's mean
 NLL (transformers on the variant, as the evals load it) and the GGUF export's (transformers'
 GGUF loader), plus the variant's logits on the first windows. An adapter variant exports as its
@@ -80,7 +81,16 @@ def score(model: torch.nn.Module, windows: list[list[int]]) -> tuple[list[float]
     return nll, np.stack(kept)
 
 
-def prepare(out: Path, variants: list[Path], count: int, seq_len: int) -> None:
+def prepare(
+    out: Path,
+    variants: list[Path],
+    count: int,
+    seq_len: int,
+    gguf_type: str | None = None,
+    llama_quantize: str | None = None,
+) -> None:
+    """`gguf_type`: export every (model) variant in this GGML type instead of its own, into
+    DIR/<name>-<type>/ (a K-quant: through `llama_quantize`, `compress.gguf_kquants`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
@@ -89,10 +99,15 @@ def prepare(out: Path, variants: list[Path], count: int, seq_len: int) -> None:
     texts = tokenization_cases(tokenizer)
     (out / "windows.json").write_text(json.dumps({"windows": windows, "texts": texts}))
     for variant in variants:
-        folder = out / variant.name
         adapter = (variant / "adapter_config.json").is_file()
+        typed = gguf_type if gguf_type and not adapter else None
+        folder = out / (f"{variant.name}-{typed}" if typed else variant.name)
         if not (folder / "export.json").is_file():
-            info = _export_adapter(variant, folder) if adapter else export(variant, "gguf", folder)
+            info = (
+                _export_adapter(variant, folder)
+                if adapter
+                else export(variant, "gguf", folder, typed, llama_quantize)
+            )
             (folder / "export.json").write_text(json.dumps(info))
             print(f"{variant.name}: exported {info['gguf_type']} ({info['bytes'] / 1e6:.0f} MB)")
         gguf_type = json.loads((folder / "export.json").read_text())["gguf_type"]
@@ -123,17 +138,18 @@ def _export_adapter(variant: Path, folder: Path) -> dict:
 def compare(out: Path) -> None:
     windows = json.loads((out / "windows.json").read_text())["windows"]
     print(
-        "| variant | GGUF MB | ppl variant | ppl GGUF (transformers) | ppl GGUF (llama.cpp) | "
-        "llama.cpp / variant | KL(variant ‖ llama.cpp) | top-1 agreement | texts tokenized "
-        "alike |"
+        "| variant | GGUF type | GGUF MB | ppl variant | ppl GGUF (transformers) | ppl GGUF "
+        "(llama.cpp) | llama.cpp / transformers, same file | llama.cpp / variant | "
+        "KL(variant ‖ llama.cpp) | top-1 agreement | texts tokenized alike |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for folder in sorted(p for p in out.iterdir() if (p / "llama.json").is_file()):
         ours = json.loads((folder / "ours.json").read_text())
         llama = json.loads((folder / "llama.json").read_text())
         p_ours, p_llama = (math.exp(sum(x) / len(x)) for x in (ours["nll"], llama["nll"]))
         via = ours["gguf_nll"]
-        p_gguf = f"{math.exp(sum(via) / len(via)):.3f}" if via else "n/a (a GGUF LoRA)"
+        p_gguf = math.exp(sum(via) / len(via)) if via else None
+        same_file = f"{p_llama / p_gguf:.4f}" if p_gguf else "n/a"
         a = np.load(folder / "ours_logits.npy").astype(np.float32)[:, :-1]
         b = np.load(folder / "llama_logits.npy").astype(np.float32)[:, :-1]
         la = torch.from_numpy(a).log_softmax(-1)
@@ -144,8 +160,9 @@ def compare(out: Path) -> None:
         )
         size = (folder / GGUF_FILE).stat().st_size / 1e6
         print(
-            f"| {folder.name} | {size:.0f} | {p_ours:.3f} | {p_gguf} | {p_llama:.3f} | "
-            f"{p_llama / p_ours:.4f} | {kl:.4f} | {agree:.1%} | {_alike(llama)} |"
+            f"| {folder.name} | {ours['gguf_type']} | {size:.0f} | {p_ours:.3f} | "
+            f"{f'{p_gguf:.3f}' if p_gguf else 'n/a (a GGUF LoRA)'} | {p_llama:.3f} | "
+            f"{same_file} | {p_llama / p_ours:.4f} | {kl:.4f} | {agree:.1%} | {_alike(llama)} |"
         )
     print(
         f"({len(windows)} windows of {len(windows[0])} tokens; KL and agreement on the first "
@@ -167,11 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("variants", type=Path, nargs="+")
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--gguf-type", help="export the model variants in this GGML type")
+    p.add_argument("--llama-quantize", help="llama.cpp's quantizer, for K-quant types")
     p = sub.add_parser("compare")
     p.add_argument("out", type=Path)
     args = parser.parse_args(argv)
     if args.command == "prepare":
-        prepare(args.out, args.variants, args.windows, args.seq_len)
+        prepare(
+            args.out, args.variants, args.windows, args.seq_len, args.gguf_type, args.llama_quantize
+        )
     else:
         compare(args.out)
     return 0
