@@ -12,13 +12,21 @@ from transformers import AutoModelForCausalLM
 from evals.divergence import ReferenceMemo, divergence, window_log_probs
 
 
-def test_divergence_equals_a_direct_computation(tiny_model_dir: Path) -> None:
+def _two_models_and_windows(
+    tiny_model_dir: Path,
+) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    """The tiny model, a copy with noise added to every weight, and 5 windows of 24 ids."""
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     other = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         for p in other.parameters():
             p.add_(0.05 * torch.randn_like(p, generator=torch.Generator().manual_seed(0)))
     rows = torch.randint(6, 500, (5, 24), generator=torch.Generator().manual_seed(1))
+    return ref, other, rows
+
+
+def test_divergence_equals_a_direct_computation(tiny_model_dir: Path) -> None:
+    ref, other, rows = _two_models_and_windows(tiny_model_dir)
     stats = divergence(ref, other, rows, target_bytes=400, batch_size=2)
 
     with torch.no_grad():
@@ -49,12 +57,7 @@ def test_divergence_equals_a_direct_computation(tiny_model_dir: Path) -> None:
 
 def test_a_side_given_as_its_scores_gives_the_same_figures(tiny_model_dir: Path) -> None:
     """The pipeline scores the reference once and hands its log-probabilities to every variant."""
-    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(0.05 * torch.randn_like(p, generator=torch.Generator().manual_seed(0)))
-    rows = torch.randint(6, 500, (5, 24), generator=torch.Generator().manual_seed(1))
+    ref, other, rows = _two_models_and_windows(tiny_model_dir)
     scores = window_log_probs(ref, rows, batch_size=2)
     assert [tuple(s.shape) for s in scores] == [(2, 23, 512), (2, 23, 512), (1, 23, 512)]
     direct = divergence(ref, other, rows, target_bytes=400, batch_size=2)
