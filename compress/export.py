@@ -10,7 +10,7 @@
   A quantized embedding's rows are written dequantized (the format quantizes linears only).
 - `gguf`: one GGUF file for llama.cpp (`compress.gguf_export`): what the variant quantized in a
   GGML type of its bits (4-bit -> Q4_1, 8-bit -> Q8_0), the rest in its float dtype, or every
-  2-D weight in `gguf_type` (a K-quant such as q4_k_m: the float32 file handed to llama.cpp's
+  2-D weight in `gguf_type` (a K-quant such as q4_k_m: the float file handed to llama.cpp's
   quantizer, `compress.gguf_kquants`); tokenizer and chat template in its metadata. Packed variants, float
   ones and int4-wo (whose bfloat16 weights torchao quantizes at load) export to it. An adapter
   exports to it as a GGUF LoRA file (`compress.gguf_lora`) for llama.cpp's `--lora`.
@@ -134,9 +134,10 @@ def _export_gguf(
             }
     rest = float_type(state)
     if gguf_type is not None:  # one type for every 2-D weight
-        types, rest = {}, gguf_type if quantizer is None else "f32"
+        # a K-quant's input: every weight in the variant's float dtype (llama.cpp takes F32/F16/BF16)
+        types, rest = {}, gguf_type if quantizer is None else rest
     with atomic_dir(out) as tmp:
-        written = tmp / (GGUF_FILE if quantizer is None else "float32.gguf")
+        written = tmp / (GGUF_FILE if quantizer is None else "float.gguf")
         try:
             counts = write_gguf(spec.path, state, types, rest, written)
             if quantizer is not None:

@@ -58,13 +58,13 @@ def test_an_adapter_is_refused_a_k_quant(tmp_path: Path) -> None:
 
 
 def test_llama_quantize_is_called_as_llama_cpp_s_tool(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """`llama-quantize IN OUT TYPE` on the float32 file, which is gone afterwards."""
+    """`llama-quantize IN OUT TYPE` on the float file, which is gone afterwards."""
     calls = tmp_path / "calls"
     tool = _script(tmp_path / "llama-quantize", f'echo "$@" > {calls}\ncp "$1" "$2"\n')
     info = export(tiny_model_dir, "gguf", tmp_path / "out", "q4_k_m", str(tool))
     source, target, kind = calls.read_text().split()
     assert Path(target).name == GGUF_FILE and kind == "Q4_K_M"
-    assert Path(source).name == "float32.gguf" and not Path(source).exists()
+    assert Path(source).name == "float.gguf" and not Path(source).exists()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [GGUF_FILE]
     assert info["gguf_type"] == "q4_k_m"  # the stand-in copied: the tensors it reports are F32
     count = len(gguf.GGUFReader(str(tmp_path / "out" / GGUF_FILE)).tensors)
@@ -84,7 +84,7 @@ def test_a_python_quantizer_calls_the_bindings_with_llama_cpp_s_ftype(
     export(tiny_model_dir, "gguf", tmp_path / "out", "q5_k_m")
     flag, source, target, ftype = calls.read_text().splitlines()
     assert flag == "-c" and "llama_cpp.llama_model_quantize(" in (tmp_path / "calls.py").read_text()
-    assert source.endswith("float32.gguf") and target.endswith(GGUF_FILE)
+    assert source.endswith("float.gguf") and target.endswith(GGUF_FILE)
     assert ftype == "17"  # LLAMA_FTYPE_MOSTLY_Q5_K_M
 
 
