@@ -107,14 +107,23 @@ def export(
 def _export_gguf(
     spec: LoadSpec, out: Path, gguf_type: str | None, llama_quantize: str | None
 ) -> dict[str, Any]:
-    from compress.gguf_export import GGUF_FILE, GgufExportError, float_type, write_gguf
+    from compress.gguf_export import (
+        GGUF_FILE,
+        GGUF_TYPES,
+        GgufExportError,
+        float_type,
+        write_gguf,
+    )
 
     quantizer = None
     if gguf_type in K_QUANTS:  # found before anything is written
         try:
             quantizer = find_quantizer(llama_quantize)
         except QuantizerError as e:
-            raise ExportError(f"--gguf-type {gguf_type}: {e}") from None
+            raise ExportError(
+                f"--gguf-type {gguf_type}: {e}; or pick a type the exporter writes itself: "
+                f"{', '.join(GGUF_TYPES)}"
+            ) from None
     types: dict[str, str] = {}  # the weights the variant quantized, in a type of its bits
     if spec.format == "packed":
         state, codes = packed_weights(spec)
@@ -133,9 +142,10 @@ def _export_gguf(
                 if t.dim() == 2 and k.endswith(".weight") and "embed" not in k and k not in skip
             }
     rest = float_type(state)
-    if gguf_type is not None:  # one type for every 2-D weight
-        # a K-quant's input: every weight in the variant's float dtype (llama.cpp takes F32/F16/BF16)
-        types, rest = {}, gguf_type if quantizer is None else rest
+    if quantizer is not None:  # a K-quant's input: every weight in the variant's float dtype
+        types = {}
+    elif gguf_type is not None:  # one type for every 2-D weight
+        types, rest = {}, gguf_type
     with atomic_dir(out) as tmp:
         written = tmp / (GGUF_FILE if quantizer is None else "float.gguf")
         try:

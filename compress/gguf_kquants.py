@@ -58,8 +58,7 @@ def find_quantizer(explicit: str | None = None) -> Path:
             f"K-quant GGUF types are written by llama.cpp's quantizer and {where}: put "
             "`llama-quantize` on PATH, or pass --llama-quantize (or set $WORKBENCH_LLAMA_QUANTIZE) "
             "to a llama-quantize binary or to a Python with llama-cpp-python "
-            "(benchmarks/llama_cpp_check.sh builds one in .llama-venv); or pick a type the "
-            "exporter writes itself: f32, f16, bf16, q8_0, q4_0, q4_1"
+            "(benchmarks/llama_cpp_check.sh builds one in .llama-venv)"
         )
     return Path(found)
 

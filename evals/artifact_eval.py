@@ -1,8 +1,9 @@
 """What every variant's manifest records about the loaded model: memory, load time, perplexities.
 
 Perplexity is measured (unless the caller leaves it to the recipe's divergence eval, which
-measures it with standard errors: the same forward passes, twice, otherwise) on the demo corpora's validation splits (the base corpus and the shifted
-domain), with the variant's own tokenizer, over the first `EVAL_ROWS` rows of `SEQ_LEN` tokens
+measures it with standard errors: the same forward passes, twice, otherwise) on the demo
+corpora's validation splits (the base corpus and the shifted domain), with the variant's own
+tokenizer, over the first `EVAL_ROWS` rows of `SEQ_LEN` tokens
 (`LARGE_MODEL_ROWS` for models whose embedding has over `LARGE_EMBEDDING` parameters, where 64
 rows cost half a minute a variant on 2 cores and the recipe's evals measure the same more
 precisely): the same rows for every variant of a base (quantized, adapted, or a student of the

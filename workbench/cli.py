@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from compress.gguf_export import GGUF_TYPES
 from compress.gguf_kquants import K_QUANTS
 from evals.load_cli import add_bench_arguments
 from serve.http.cli import add_serve_arguments, int_in
@@ -266,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gguf-type",
-        choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", *K_QUANTS],
+        choices=[*GGUF_TYPES, *K_QUANTS],
         help="GGML type of a gguf export's weights (default: the variant's own: 4-bit -> q4_1, "
         "8-bit -> q8_0, float -> its dtype; an adapter's GGUF LoRA: f32, or f16, bf16, q8_0); "
         "the K-quants (q4_k_m, ...) are written by llama.cpp's quantizer",
