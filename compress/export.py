@@ -2,8 +2,9 @@
 
 - `hf`: a plain transformers checkpoint of dense float weights (a packed variant's codes
   dequantized, `(q - z) * s`): loads anywhere, at float size.
-- `compressed-tensors`: `pack-quantized`, the format llm-compressor writes and transformers and
-  vLLM load: every packed linear keeps its codes, scales and zero points, re-expressed in the
+- `compressed-tensors`: a bitsandbytes int8 variant without outlier columns (`threshold: 0`) as
+  `int-quantized` W8A8 (`compress.w8a8`); otherwise `pack-quantized`, the format llm-compressor
+  writes and transformers and vLLM load: every packed linear keeps its codes, scales and zero points, re-expressed in the
   format's signed convention (code - 2^(bits-1), zero point - 2^(bits-1)) and packed by the
   `compressed-tensors` package's own compressor; one config group per (bits, group size,
   symmetric) with the module names as targets, so a mixed plan keeps each module's format.
@@ -40,6 +41,7 @@ from compress.packed_io import (
     stored_embedding_format,
     take_quantized,
 )
+from compress.w8a8 import compress_w8a8, is_w8a8, outlier_threshold
 
 ExportFormat = Literal["hf", "compressed-tensors", "gguf"]
 EXPORT_FORMATS: tuple[ExportFormat, ...] = ("hf", "compressed-tensors", "gguf")
@@ -52,6 +54,8 @@ class ExportError(ValueError):
 
 def exports_of(spec: LoadSpec) -> tuple[ExportFormat, ...]:
     """The formats a stored variant can be exported to."""
+    if is_w8a8(spec):
+        return ("compressed-tensors",)
     if spec.format == "packed":
         return EXPORT_FORMATS
     if spec.format == "hf":
@@ -69,9 +73,10 @@ def export(
     llama_quantize: str | None = None,
 ) -> dict[str, Any]:
     """Write `source` (a variant dir) as `fmt` into `out` (which must not exist); returns what
-    was written: format, files, bytes, and per scheme the modules it holds (for gguf: tensors
-    per GGML type). `gguf_type`: the GGML type of a gguf export's weights (a K-quant runs
-    llama.cpp's quantizer: `llama_quantize`, see `compress.gguf_kquants`)."""
+    was written: format, layout (compressed-tensors: pack-quantized or int-quantized), files,
+    bytes, and per scheme the modules it holds (for gguf: tensors per GGML type). `gguf_type`:
+    the GGML type of a gguf export's weights (a K-quant runs llama.cpp's quantizer:
+    `llama_quantize`, see `compress.gguf_kquants`)."""
     if (source / "adapter_config.json").is_file():
         if gguf_type in K_QUANTS:
             raise ExportError(
@@ -90,7 +95,10 @@ def export(
             packed_weights(spec) if spec.format == "packed" else (read_tensors(source), {})
         )
         schemes: dict[str, list[str]] = {}
-        if fmt == "compressed-tensors":
+        if is_w8a8(spec):
+            state, config["quantization_config"], names = compress_w8a8(state)
+            schemes = {"w8a8-int8-channel-token": names}
+        elif fmt == "compressed-tensors":
             config["quantization_config"], schemes = _compress(spec, state, codes)
         for name, qw in codes.items():  # all for hf; the quantized embedding for compressed-tensors
             state[f"{name}.weight"] = qw.dequantize().contiguous()
@@ -101,7 +109,15 @@ def export(
                 shutil.copy2(f, tmp / f.name)
     files = sorted(p.name for p in out.iterdir())
     size = sum((out / f).stat().st_size for f in files)
-    return {"format": fmt, "path": str(out), "files": files, "bytes": size, "schemes": schemes}
+    layout = config["quantization_config"]["format"] if fmt == "compressed-tensors" else None
+    return {
+        "format": fmt,
+        "layout": layout,
+        "path": str(out),
+        "files": files,
+        "bytes": size,
+        "schemes": schemes,
+    }
 
 
 def _export_gguf(
@@ -236,10 +252,18 @@ def _checked(source: Path, fmt: str, out: Path) -> LoadSpec:
     if fmt not in allowed:
         kind = f"{spec.format} ({spec.scheme})" if spec.scheme else spec.format
         can = f"it exports to {', '.join(allowed)}" if allowed else "it exports to nothing yet"
+        threshold = outlier_threshold(spec)
+        why = (
+            f"; its outlier columns (activations above {threshold}) run in float16, which "
+            "compressed-tensors' W8A8 cannot express: quantize with "
+            "{method: bnb-int8, threshold: 0} (W8A8, exports to compressed-tensors)"
+            if threshold
+            else ""
+        )
         raise ExportError(
-            f"{source}: a {kind} variant cannot be exported as {fmt}: {can}; the packed "
+            f"{source}: a {kind} variant cannot be exported as {fmt}: {can}{why}; the packed "
             "variants (rtn, gptq, awq, hqq, mixed) export to hf, compressed-tensors and gguf, "
-            "float and int4-wo variants to gguf"
+            "float and int4-wo variants to gguf, bnb-int8 with threshold 0 to compressed-tensors"
         )
     return spec
 

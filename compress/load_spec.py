@@ -4,7 +4,8 @@ Model: a model dir is one of
 - `hf`: plain weights; transformers loads it from config.json alone,
 - `hf-quantized`: config.json carries a `quantization_config` (bitsandbytes, torchao int8);
   transformers quantizes or reads it itself; compressed-tensors `pack-quantized` (our exports,
-  llm-compressor's checkpoints) is read densely by `compress.compressed_tensors_io`,
+  llm-compressor's checkpoints) is read densely by `compress.compressed_tensors_io`, its W8A8
+  `int-quantized` (activations quantized per token) by transformers,
 - `int4-at-load`: bfloat16 weights plus `workbench_quantization.json`, quantized by torchao's
   int4 CPU tensor when loaded (it cannot be saved as safetensors),
 - `packed`: integer codes with scales and zero points (`compress.packed`) for the linears a
@@ -93,7 +94,11 @@ def load_model(
         from compress.packed_io import load_packed
 
         return load_packed(spec, dtype, torch.device(device), extra).eval()
-    if spec.format == "hf-quantized" and spec.scheme == "compressed-tensors":
+    if (
+        spec.format == "hf-quantized"
+        and spec.scheme == "compressed-tensors"
+        and spec.params.get("format") == "pack-quantized"
+    ):
         from compress.compressed_tensors_io import load_dense
 
         return load_dense(path, dtype, extra).to(device).eval()

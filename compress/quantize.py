@@ -42,8 +42,9 @@ class LibraryParams(StepParams):
     """4-bit only: quantize the block scales too (saves ~0.4 bits per weight)."""
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """4-bit only: dtype of the matmul after dequantization."""
-    threshold: float = Field(default=6.0, gt=0)
-    """bnb-int8 only: activations above this magnitude go through the float path (outliers)."""
+    threshold: float = Field(default=6.0, ge=0)
+    """bnb-int8 only: activations above this magnitude go through the float path (outliers);
+    0: none do, every input is int8 per token (W8A8: exports to compressed-tensors for vLLM)."""
     targets: list[str] | None = None
     """Linear layers to quantize, by name or `re:` regex; all of them when absent."""
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])

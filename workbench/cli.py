@@ -202,7 +202,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.format == "gguf":
             out.print(f"  {scheme}: {modules[0]}")
         else:
-            out.print(f"  {scheme} (pack-quantized): {len(modules)} module(s)")
+            out.print(f"  {scheme} ({info['layout'] or 'dense'}): {len(modules)} module(s)")
     return 0
 
 
@@ -262,8 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--format",
         required=True,
-        help="hf (dense float weights), compressed-tensors (pack-quantized: transformers, "
-        "vLLM) or gguf (one file: llama.cpp, Ollama)",
+        help="hf (dense float weights), compressed-tensors (pack-quantized, or W8A8 for "
+        "bnb-int8 with threshold 0: transformers, vLLM) or gguf (one file: llama.cpp, Ollama)",
     )
     p.add_argument(
         "--gguf-type",

