@@ -5,8 +5,10 @@
 #
 # usage: benchmarks/vllm_check.sh [WORK_DIR (default runs/demo)] [OUT (default /tmp/vllm-check)]
 # env:   VLLM_VENV (default .vllm-venv), VLLM_CPU_KVCACHE_SPACE (GiB, default 2), PORT (8100),
-#        PACKED="DIR ..." (packed variants: each exported as compressed-tensors and served by vLLM,
-#        and served as stored by this server, both asked the same greedy completion and benched;
+#        EXPORTS="DIR ..." (packed variants, or bnb-int8 ones with threshold 0: each exported as
+#        compressed-tensors and served by vLLM, and served as stored by this server, both asked
+#        the same greedy question (ASK=chat) or completion (the default) and benched; PACKED is
+#        the old name of EXPORTS;
 #        DEMO=0 skips the demo variants, BENCH=0 the benches, DTYPE (default float32) both
 #        servers' dtype: vLLM's CPU 4-bit kernel (cpu_gemm_wna16, AVX-512 builds) takes
 #        bfloat16 activations only)
@@ -83,10 +85,11 @@ check nf4 nf4 -- --model "$V/nf4" --served-model-name nf4
 check int4-wo int4-wo -- --model "$V/int4-wo" --served-model-name int4-wo
 fi
 
-for dir in ${PACKED:-}; do
+ASK=${ASK:-completion}
+for dir in ${EXPORTS:-${PACKED:-}}; do
   name=$(basename "$dir")
   rm -rf "$OUT/$name-ct"
   .venv/bin/workbench export "$dir" --format compressed-tensors --out "$OUT/$name-ct" | tail -1
-  ASK=completion check "$name-ct" "$name" -- --model "$OUT/$name-ct" --served-model-name "$name"
-  ASK=completion ours "$name" "$name" -- "$dir"
+  check "$name-ct" "$name" -- --model "$OUT/$name-ct" --served-model-name "$name"
+  ours "$name" "$name" -- "$dir"
 done

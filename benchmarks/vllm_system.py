@@ -115,6 +115,16 @@ class VllmWorker:
             self._signal(signal.SIGSTOP)
         return VllmResult(answer["seconds"], answer["outputs"])
 
+    def score(self, windows: list[list[int]]) -> dict[str, list[Any]]:
+        """{"nll": per-window mean NLL (nats), "top1": per-window argmax ids} (prompt logprobs)."""
+        assert self._process is not None and self._process.stdin is not None, "not started"
+        self._signal(signal.SIGCONT)
+        self._process.stdin.write(json.dumps({"score": windows}) + "\n")
+        self._process.stdin.flush()
+        answer = self._read()
+        self._signal(signal.SIGSTOP)
+        return answer
+
     def _signal(self, sig: signal.Signals) -> None:
         """Stop (SIGSTOP) or resume (SIGCONT) every vLLM process between calls: after a call,
         vLLM's workers spin on their message queue (sched_yield) for a second, which took a

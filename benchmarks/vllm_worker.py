@@ -11,8 +11,9 @@ Protocol, one JSON object per line: after start-up the worker writes
 (end-of-sequence ignored) in one `LLM.generate` call and answers
 `{"seconds": wall seconds of that call, "outputs": [[ids]]}` (with `"profile": true` in the
 request and `--profile-dir`, that call runs under vLLM's torch profiler, whose traces land in
-the directory); an empty line or end of input
-stops it. Everything vLLM prints goes to stderr: stdout carries the protocol only.
+the directory); a line `{"score": [[ids]]}` is answered `{"nll": [per window: mean NLL in
+nats of tokens 2..], "top1": [per window: the most likely token at positions 1..]}` (prompt
+logprobs, one call); an empty line or end of input stops it. Everything vLLM prints goes to stderr: stdout carries the protocol only.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ def main() -> int:
         if not line.strip():
             break
         job = json.loads(line)
+        if "score" in job:
+            out.write(json.dumps(_score(llm, job["score"])) + "\n")
+            continue
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
         params = [
             SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
@@ -101,6 +105,24 @@ def main() -> int:
         outputs = [list(r.outputs[0].token_ids) for r in results]
         out.write(json.dumps({"seconds": seconds, "outputs": outputs}) + "\n")
     return 0
+
+
+def _score(llm: object, windows: list[list[int]]) -> dict[str, list]:
+    """Per window: the mean negative log-likelihood (nats) of tokens 2.. given those before, and
+    the most likely token at each position (vLLM's prompt logprobs)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    results = llm.generate(  # type: ignore[attr-defined]
+        [TokensPrompt(prompt_token_ids=w) for w in windows], params, use_tqdm=False
+    )
+    nll, top1 = [], []
+    for ids, r in zip(windows, results):
+        positions = r.prompt_logprobs[1:]  # the first token has no prediction
+        nll.append(-sum(p[t].logprob for p, t in zip(positions, ids[1:])) / (len(ids) - 1))
+        top1.append([next(t for t, lp in p.items() if lp.rank == 1) for p in positions])
+    return {"nll": nll, "top1": top1}
 
 
 if __name__ == "__main__":
