@@ -116,6 +116,17 @@ def start_subprocess_server(
     return proc, url
 
 
+def wait_engine_drained(server: ThreadServer, timeout: float = 30) -> None:
+    """Until no request is tracked by the HTTP side nor held by the engine: an abort ends the
+    request's tracking at once and reaches the engine's thread (which frees its blocks) a step
+    later, so a test that checks blocks must wait for the engine, not for the tracking."""
+    deadline = time.monotonic() + timeout
+    while server.engine.num_unfinished or server.engine.engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"requests still running after {timeout} s")
+        time.sleep(0.02)
+
+
 def slow_steps_until_abort(server: ThreadServer, monkeypatch: object) -> list[str]:
     """Slow every engine step to 20 ms until the HTTP layer asks for an abort, so a long request
     is still running when its client leaves, however fast the machine; returns the request ids

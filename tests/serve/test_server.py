@@ -19,6 +19,7 @@ from tests.serve.server_util import (
     slow_steps_for,
     slow_steps_until_abort,
     start_thread_server,
+    wait_engine_drained,
 )
 
 
@@ -488,11 +489,8 @@ def test_client_disconnect_aborts_a_non_streaming_request(
     }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
-    for _ in range(200):
-        if server.engine.num_unfinished == 0:
-            break
-        asyncio.run(asyncio.sleep(0.05))
-    assert len(asked) == 1 and server.engine.num_unfinished == 0
+    wait_engine_drained(server)
+    assert len(asked) == 1
     assert engine.scheduler.pool.num_free_blocks == engine.runner.num_blocks
 
 
