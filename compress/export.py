@@ -4,8 +4,8 @@
   dequantized, `(q - z) * s`): loads anywhere, at float size.
 - `compressed-tensors`: a bitsandbytes int8 variant without outlier columns (`threshold: 0`) as
   `int-quantized` W8A8 (`compress.w8a8`); otherwise `pack-quantized`, the format llm-compressor
-  writes and transformers and vLLM load: every packed linear keeps its codes, scales and zero points, re-expressed in the
-  format's signed convention (code - 2^(bits-1), zero point - 2^(bits-1)) and packed by the
+  writes and transformers and vLLM load: every packed linear keeps its codes, scales and zero
+  points, re-expressed in the format's signed convention (code - 2^(bits-1), zero point - 2^(bits-1)) and packed by the
   `compressed-tensors` package's own compressor; one config group per (bits, group size,
   symmetric) with the module names as targets, so a mixed plan keeps each module's format.
   A quantized embedding's rows are written dequantized (the format quantizes linears only).
@@ -95,7 +95,7 @@ def export(
             packed_weights(spec) if spec.format == "packed" else (read_tensors(source), {})
         )
         schemes: dict[str, list[str]] = {}
-        if is_w8a8(spec):
+        if fmt == "compressed-tensors" and is_w8a8(spec):
             state, config["quantization_config"], names = compress_w8a8(state)
             schemes = {"w8a8-int8-channel-token": names}
         elif fmt == "compressed-tensors":

@@ -146,7 +146,7 @@ class GrammarBackend:
 
     def consume(self, tokens: dict[str, int]) -> None:
         """Advance the matchers of the constrained requests among `tokens` (request id: the
-        token it sampled), in one batched call."""
+        token it sampled)."""
         pairs = [(m, t) for r, t in tokens.items() if (m := self.matchers.get(r)) is not None]
         if pairs and self.overlap:
             assert self._executor is not None  # created with the step's masks
