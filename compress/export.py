@@ -5,16 +5,18 @@
 - `compressed-tensors`: a bitsandbytes int8 variant without outlier columns (`threshold: 0`) as
   `int-quantized` W8A8 (`compress.w8a8`); otherwise `pack-quantized`, the format llm-compressor
   writes and transformers and vLLM load: every packed linear keeps its codes, scales and zero
-  points, re-expressed in the format's signed convention (code - 2^(bits-1), zero point - 2^(bits-1)) and packed by the
-  `compressed-tensors` package's own compressor; one config group per (bits, group size,
-  symmetric) with the module names as targets, so a mixed plan keeps each module's format.
-  A quantized embedding's rows are written dequantized (the format quantizes linears only).
+  points, re-expressed in the format's signed convention (code - 2^(bits-1), zero point -
+  2^(bits-1)) and packed by the `compressed-tensors` package's own compressor; one config group
+  per (bits, group size, symmetric) with the module names as targets, so a mixed plan keeps each
+  module's format. A quantized embedding's rows are written dequantized (the format quantizes
+  linears only).
 - `gguf`: one GGUF file for llama.cpp (`compress.gguf_export`): what the variant quantized in a
   GGML type of its bits (4-bit -> Q4_1, 8-bit -> Q8_0), the rest in its float dtype, or every
   2-D weight in `gguf_type` (a K-quant such as q4_k_m: the float file handed to llama.cpp's
-  quantizer, `compress.gguf_kquants`); tokenizer and chat template in its metadata. Packed variants, float
-  ones and int4-wo (whose bfloat16 weights torchao quantizes at load) export to it. An adapter
-  exports to it as a GGUF LoRA file (`compress.gguf_lora`) for llama.cpp's `--lora`.
+  quantizer, `compress.gguf_kquants`); tokenizer and chat template in its metadata. Packed
+  variants, float ones and int4-wo (whose bfloat16 weights torchao quantizes at load) export to
+  it. An adapter exports to it as a GGUF LoRA file (`compress.gguf_lora`) for llama.cpp's
+  `--lora`.
 Contract: the export dir appears whole or not at all (written beside it and renamed last); a
 variant whose storage the format cannot express is refused, naming why and what it can export to.
 """
