@@ -8,6 +8,9 @@ ways: the variant as the evals load it, transformers on the export, and vLLM's o
 the export (in its own venv, `benchmarks/vllm_worker.py`, prompt logprobs). Prints per route the
 perplexity, and vLLM's perplexity over the variant's with its top-1 agreement with the variant
 (the share of positions whose most likely token is the same) and with transformers on the export.
+Then asks 16 chat prompts greedily of vLLM on the export and of this engine on the variant:
+answers identical, tokens in common, the largest logprob difference of a token both chose in
+the same context; and what vLLM's log says (the kernel per scheme, checkpoint size, KV cache).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -27,6 +31,34 @@ from evals.artifact_eval import load_for_eval
 from evals.gguf_check import held_out_windows
 
 Scores = dict[str, list]
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Give me three tips for learning a new language.",
+    "Explain what a hash table is to a ten-year-old.",
+    "What causes the seasons on Earth?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "How do I reverse a list in Python?",
+    "What is the difference between a virus and a bacterium?",
+    "Suggest a name for a coffee shop by the sea.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish and German.",
+    "What are the three states of matter?",
+    "Write a haiku about autumn leaves.",
+    "How many minutes are there in a day?",
+    "What should I pack for a weekend hiking trip?",
+    "Describe a cat to someone who has never seen one.",
+]
+"""16 chat prompts, asked greedily of both engines (32 tokens each, end-of-sequence ignored)."""
+ANSWER_TOKENS = 32
+LOG_FACTS = {
+    "kernel": re.compile(r"Selected (\S+) for (\S+)"),
+    "checkpoint_gib": re.compile(r"Checkpoint size: ([0-9.]+) GiB"),
+    "kv_cache_tokens": re.compile(r"CPU KV cache size: ([0-9,]+) tokens"),
+}
+"""What vLLM's log says of the export: the kernel it chose per scheme, the checkpoint's size on
+disk (its CPU build logs no weight memory) and the KV cache it allotted."""
 
 
 @torch.inference_mode()
@@ -50,7 +82,57 @@ def agreement(a: Scores, b: Scores) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-def check(variant: Path, out: Path, args: argparse.Namespace) -> dict[str, float | str]:
+def chat_prompts(tokenizer: object) -> list[list[int]]:
+    return [
+        tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for p in CHAT_PROMPTS
+    ]
+
+
+def engine_answers(variant: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """This engine's greedy answers on the variant: (token ids, each chosen token's logprob)."""
+    from serve import LLM, SamplingParams
+
+    llm = LLM(str(variant), dtype="float32")
+    params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    return [
+        (c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
+        for c in llm.generate(prompts, params)
+    ]
+
+
+def compare_answers(
+    ours: list[tuple[list[int], list[float]]], theirs: list[tuple[list[int], list[float]]]
+) -> dict[str, float]:
+    """Prompts answered identically; mean length of the common start; the largest difference
+    of a chosen token's logprob over the common starts (same context, same token)."""
+    same, common, largest = 0, [], 0.0
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(ours, theirs):
+        n = next((i for i, (a, b) in enumerate(zip(ids_a, ids_b)) if a != b), len(ids_a))
+        same += ids_a == ids_b
+        common.append(n)
+        largest = max([largest, *(abs(a - b) for a, b in zip(lp_a[:n], lp_b[:n]))])
+    return {
+        "answers_identical": same,
+        "answers": len(ours),
+        "common_start_tokens": sum(common) / len(common),
+        "largest_logprob_difference": largest,
+    }
+
+
+def log_facts(log: Path) -> dict[str, str]:
+    text = log.read_text(errors="replace")
+    facts = {}
+    for name, pattern in LOG_FACTS.items():
+        found = pattern.search(text)
+        if found:
+            facts[name] = " for ".join(found.groups())
+    return facts
+
+
+def check(variant: Path, out: Path, args: argparse.Namespace) -> dict[str, object]:
     from transformers import AutoTokenizer
 
     exported = out / f"{variant.name}-ct"
@@ -59,19 +141,25 @@ def check(variant: Path, out: Path, args: argparse.Namespace) -> dict[str, float
         print(
             f"{variant.name}: exported ({', '.join(info['schemes'])}, {info['bytes'] / 1e6:.0f} MB)"
         )
-    windows = held_out_windows(AutoTokenizer.from_pretrained(variant), args.windows, args.seq_len)
+    tokenizer = AutoTokenizer.from_pretrained(variant)
+    windows = held_out_windows(tokenizer, args.windows, args.seq_len)
     ours = score(load_for_eval(artifact_from_manifest(variant)), windows)
     via_transformers = score(load_model(exported), windows)
-    worker = VllmWorker(
-        args.vllm_venv, exported, out / f"{variant.name}-vllm.log", dtype=args.dtype
-    )
+    prompts = chat_prompts(tokenizer)
+    our_answers = engine_answers(variant, prompts)
+    log = out / f"{variant.name}-vllm.log"
+    worker = VllmWorker(args.vllm_venv, exported, log, dtype=args.dtype)
     with worker:
         vllm = worker.score(windows)
+        answered = worker.generate(prompts, [ANSWER_TOKENS] * len(prompts), logprobs=True)
+    assert answered.logprobs is not None
     quant = json.loads((exported / "config.json").read_text())["quantization_config"]
     return {
         "variant": variant.name,
         "format": quant["format"],
         "vllm": worker.version,
+        **log_facts(log),
+        **compare_answers(our_answers, list(zip(answered.outputs, answered.logprobs))),
         "ppl_variant": perplexity(ours),
         "ppl_transformers_export": perplexity(via_transformers),
         "ppl_vllm_export": perplexity(vllm),
@@ -102,6 +190,16 @@ def main(argv: list[str] | None = None) -> int:
             f"the variant, top-1 agreement {r['top1_vllm_vs_variant']:.1%} (transformers on "
             f"the export: {r['top1_transformers_vs_variant']:.1%}; vLLM against it: "
             f"{r['top1_vllm_vs_transformers']:.1%})"
+        )
+        print(
+            f"  greedy answers to {r['answers']} chat prompts ({ANSWER_TOKENS} tokens): "
+            f"{r['answers_identical']} identical to this engine's on the variant, "
+            f"{r['common_start_tokens']:.1f} tokens in common on average; largest difference of "
+            f"a chosen token's logprob over the common starts {r['largest_logprob_difference']:.4f}"
+        )
+        print(
+            f"  vLLM's log: {r.get('kernel', '?')}; checkpoint {r.get('checkpoint_gib', '?')} "
+            f"GiB; KV cache {r.get('kv_cache_tokens', '?')} tokens"
         )
     return 0
 

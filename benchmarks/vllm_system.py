@@ -43,6 +43,8 @@ class VllmError(RuntimeError):
 class VllmResult:
     seconds: float
     outputs: list[list[int]]
+    logprobs: list[list[float]] | None = None
+    """With `generate(..., logprobs=True)`: each chosen token's logprob."""
 
 
 @dataclass
@@ -100,20 +102,27 @@ class VllmWorker:
         return env
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: list[int], profile: bool = False
+        self,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        profile: bool = False,
+        logprobs: bool = False,
     ) -> VllmResult:
         """Greedy, exactly `max_tokens[i]` tokens for prompt i, in one `LLM.generate` call
-        (under vLLM's torch profiler when `profile` and the worker has a `profile_dir`)."""
+        (under vLLM's torch profiler when `profile` and the worker has a `profile_dir`; with
+        each chosen token's logprob when `logprobs`)."""
         assert self._process is not None and self._process.stdin is not None, "not started"
         self._signal(signal.SIGCONT)
         job = {"prompts": prompts, "max_tokens": max_tokens, "profile": profile}
+        if logprobs:
+            job["logprobs"] = True
         self._process.stdin.write(json.dumps(job))
         self._process.stdin.write("\n")
         self._process.stdin.flush()
         answer = self._read()
         if not profile:  # a profiled call's trace is written after it returns
             self._signal(signal.SIGSTOP)
-        return VllmResult(answer["seconds"], answer["outputs"])
+        return VllmResult(answer["seconds"], answer["outputs"], answer.get("logprobs"))
 
     def score(self, windows: list[list[int]]) -> dict[str, list[Any]]:
         """{"nll": per-window mean NLL (nats), "top1": per-window argmax ids} (prompt logprobs)."""

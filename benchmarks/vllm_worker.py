@@ -9,7 +9,8 @@ Protocol, one JSON object per line: after start-up the worker writes
 `{"ready": true, "version": ..., "config": {...}}`; then for each request line
 `{"prompts": [[ids]], "max_tokens": [n]}` it generates greedily exactly `n` tokens per prompt
 (end-of-sequence ignored) in one `LLM.generate` call and answers
-`{"seconds": wall seconds of that call, "outputs": [[ids]]}` (with `"profile": true` in the
+`{"seconds": wall seconds of that call, "outputs": [[ids]]}` (with `"logprobs": true` in the
+request, also `"logprobs": [[the chosen token's logprob at each step]]`) (with `"profile": true` in the
 request and `--profile-dir`, that call runs under vLLM's torch profiler, whose traces land in
 the directory); a line `{"score": [[ids]]}` is answered `{"nll": [per window: mean NLL in
 nats of tokens 2..], "top1": [per window: the most likely token at positions 1..]}` (prompt
@@ -90,8 +91,15 @@ def main() -> int:
             out.write(json.dumps(_score(llm, job["score"])) + "\n")
             continue
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+        want_logprobs = bool(job.get("logprobs"))
         params = [
-            SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
+            SamplingParams(
+                max_tokens=n,
+                min_tokens=n,
+                temperature=0.0,
+                ignore_eos=True,
+                logprobs=0 if want_logprobs else None,
+            )
             for n in job["max_tokens"]
         ]
         profiled = bool(job.get("profile")) and bool(args.profile_dir)
@@ -103,7 +111,13 @@ def main() -> int:
         if profiled:
             llm.stop_profile()
         outputs = [list(r.outputs[0].token_ids) for r in results]
-        out.write(json.dumps({"seconds": seconds, "outputs": outputs}) + "\n")
+        answer: dict[str, object] = {"seconds": seconds, "outputs": outputs}
+        if want_logprobs:  # the chosen token's logprob at each step
+            answer["logprobs"] = [
+                [step[t].logprob for step, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids)]
+                for r in results
+            ]
+        out.write(json.dumps(answer) + "\n")
     return 0
 
 

@@ -18,9 +18,15 @@ import os
 print("INFO vllm banner on stdout")  # vLLM logs to stdout: must not reach the protocol
 __version__ = "0.0-fake"
 class SamplingParams:
-    def __init__(self, max_tokens, min_tokens, temperature, ignore_eos):
-        assert min_tokens == max_tokens and temperature == 0.0 and ignore_eos
-        self.max_tokens = max_tokens
+    def __init__(self, max_tokens, temperature, min_tokens=None, ignore_eos=False,
+                 logprobs=None, prompt_logprobs=None):
+        assert temperature == 0.0
+        if prompt_logprobs is None:  # a generate call: exact lengths
+            assert min_tokens == max_tokens and ignore_eos
+        self.max_tokens, self.logprobs = max_tokens, logprobs
+        self.prompt_logprobs = prompt_logprobs
+class Logprob:  # vLLM's: a logprob and its rank among the position's tokens
+    def __init__(self, logprob, rank): self.logprob, self.rank = logprob, rank
 class _Sched:
     max_num_seqs = 256
     max_num_batched_tokens = 4096
@@ -29,9 +35,11 @@ class _Config:
 class _Engine:
     vllm_config = _Config()
 class _Completion:
-    def __init__(self, ids): self.token_ids = ids
+    def __init__(self, ids, logprobs=None): self.token_ids, self.logprobs = ids, logprobs
 class _Out:
-    def __init__(self, ids): self.outputs = [_Completion(ids)]
+    def __init__(self, ids, logprobs=None, prompt_logprobs=None):
+        self.outputs = [_Completion(ids, logprobs)]
+        self.prompt_logprobs = prompt_logprobs
 class LLM:
     def __init__(self, **options):
         if os.environ.get("FAKE_VLLM_FAIL"):
@@ -44,8 +52,19 @@ class LLM:
         self.llm_engine = _Engine()
     def generate(self, prompts, params, use_tqdm):
         print("INFO generating")
-        return [_Out([p["prompt_token_ids"][-1] + k for k in range(s.max_tokens)])
-                for p, s in zip(prompts, params)]
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        outs = []
+        for p, s in zip(prompts, params):
+            ids = p["prompt_token_ids"]
+            if s.prompt_logprobs is not None:  # each prompt token at -0.5, its successor top-1
+                scored = [None] + [{t: Logprob(-0.5, 2), t + 1: Logprob(-0.1, 1)} for t in ids[1:]]
+                outs.append(_Out([0], prompt_logprobs=scored))
+                continue
+            out = [ids[-1] + k for k in range(s.max_tokens)]
+            lps = [{t: Logprob(-0.25 * k, 1)} for k, t in enumerate(out)]
+            outs.append(_Out(out, lps if s.logprobs is not None else None))
+        return outs
 """
 
 
@@ -82,6 +101,51 @@ def test_the_worker_answers_generate_calls_over_its_pipe_with_vllm_logging_kept_
     assert first.outputs == [[6, 7, 8], [9]] and second.outputs == [[1, 2]]
     assert first.seconds >= 0
     assert "vllm banner" in log.read_text() and "generating" in log.read_text()
+
+
+def test_the_worker_returns_chosen_logprobs_and_scores_windows(
+    fake_venv: Path, tmp_path: Path
+) -> None:
+    with VllmWorker(fake_venv, tmp_path / "model", tmp_path / "vllm.log") as worker:
+        plain = worker.generate([[5]], [2])
+        with_logprobs = worker.generate([[5], [9]], [3, 1], logprobs=True)
+        scored = worker.score([[1, 2, 3], [7, 8]])
+    assert plain.logprobs is None
+    assert with_logprobs.outputs == [[5, 6, 7], [9]]
+    assert with_logprobs.logprobs == [[0.0, -0.25, -0.5], [0.0]]
+    assert scored == {"nll": [0.5, 0.5], "top1": [[3, 4], [9]]}
+
+
+def test_the_export_check_compares_answers_over_their_common_start() -> None:
+    from benchmarks.vllm_export_check import compare_answers
+
+    ours = [([1, 2, 3], [-0.1, -0.2, -0.3]), ([4, 5, 6], [-1.0, -1.0, -1.0])]
+    theirs = [([1, 2, 3], [-0.1, -0.25, -0.3]), ([4, 7, 8], [-1.5, -9.0, -9.0])]
+    got = compare_answers(ours, theirs)
+    # the second answers part after one token: only that token's logprobs compare
+    assert got == {
+        "answers_identical": 1,
+        "answers": 2,
+        "common_start_tokens": 2.0,
+        "largest_logprob_difference": pytest.approx(0.5),
+    }
+
+
+def test_the_export_check_reads_vllms_log(tmp_path: Path) -> None:
+    from benchmarks.vllm_export_check import log_facts
+
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "(Worker pid=1) INFO [__init__.py:846] Selected CPUInt8ScaledMMLinearKernel for "
+        "CompressedTensorsW8A8Int8\n... Checkpoint size: 0.21 GiB. Available RAM: 17.61 GiB.\n"
+        "(EngineCore pid=2) INFO [kv_cache_utils.py:2327] CPU KV cache size: 46,592 tokens, "
+        "Maximum concurrency for 2,048 tokens per request: 22.75x\n"
+    )
+    assert log_facts(log) == {
+        "kernel": "CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8",
+        "checkpoint_gib": "0.21",
+        "kv_cache_tokens": "46,592",
+    }
 
 
 def test_a_worker_that_dies_at_start_raises_naming_its_log(
