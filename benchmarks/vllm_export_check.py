@@ -1,14 +1,14 @@
 """Does vLLM run our compressed-tensors exports as the workbench runs the variants? (issue 24)
 
 `python -m benchmarks.vllm_export_check VARIANT_DIR... [--out DIR] [--windows 8] [--seq-len 128]
-[--vllm-venv .vllm-venv] [--dtype float32]`: for each variant (a packed one, or bnb-int8 with
+[--vllm-venv .vllm-venv] [--dtype float32 | bfloat16]`: for each variant (a packed one, or bnb-int8 with
 threshold 0: W8A8), exports it as compressed-tensors into OUT/<name>-ct (kept for a rerun), cuts
 held-out windows of the demo corpus's validation split with its tokenizer, and scores them three
 ways: the variant as the evals load it, transformers on the export, and vLLM's offline engine on
 the export (in its own venv, `benchmarks/vllm_worker.py`, prompt logprobs). Prints per route the
 perplexity, and vLLM's perplexity over the variant's with its top-1 agreement with the variant
 (the share of positions whose most likely token is the same) and with transformers on the export.
-Then asks 16 chat prompts greedily of vLLM on the export and of this engine on the variant:
+Then asks 16 chat prompts (as plain text to a base model) greedily of vLLM on the export and of this engine on the variant:
 answers identical, tokens in common, the largest logprob difference of a token both chose in
 the same context; and what vLLM's log says (the kernel per scheme, checkpoint size, KV cache).
 """
@@ -20,6 +20,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -82,20 +83,25 @@ def agreement(a: Scores, b: Scores) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-def chat_prompts(tokenizer: object) -> list[list[int]]:
+def chat_prompts(tokenizer: Any) -> list[list[int]]:
+    """The prompts in the model's chat template; as plain text for a base model (none)."""
+    if tokenizer.chat_template is None:
+        return [tokenizer(p).input_ids for p in CHAT_PROMPTS]
     return [
-        tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True
         )["input_ids"]
         for p in CHAT_PROMPTS
     ]
 
 
-def engine_answers(variant: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+def engine_answers(
+    variant: Path, prompts: list[list[int]], dtype: str
+) -> list[tuple[list[int], list[float]]]:
     """This engine's greedy answers on the variant: (token ids, each chosen token's logprob)."""
     from serve import LLM, SamplingParams
 
-    llm = LLM(str(variant), dtype="float32")
+    llm = LLM(str(variant), dtype=dtype)
     params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
     return [
         (c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
@@ -143,10 +149,11 @@ def check(variant: Path, out: Path, args: argparse.Namespace) -> dict[str, objec
         )
     tokenizer = AutoTokenizer.from_pretrained(variant)
     windows = held_out_windows(tokenizer, args.windows, args.seq_len)
-    ours = score(load_for_eval(artifact_from_manifest(variant)), windows)
-    via_transformers = score(load_model(exported), windows)
+    dtype = getattr(torch, args.dtype)
+    ours = score(load_for_eval(artifact_from_manifest(variant), dtype), windows)
+    via_transformers = score(load_model(exported, dtype=dtype), windows)
     prompts = chat_prompts(tokenizer)
-    our_answers = engine_answers(variant, prompts)
+    our_answers = engine_answers(variant, prompts, args.dtype)
     log = out / f"{variant.name}-vllm.log"
     worker = VllmWorker(args.vllm_venv, exported, log, dtype=args.dtype)
     with worker:
@@ -177,7 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--vllm-venv", type=Path, default=Path(".vllm-venv"))
-    parser.add_argument("--dtype", default="float32", help="vLLM's dtype")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="every route's dtype (vLLM's CPU 4-bit kernel takes bfloat16 only)",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [check(v, args.out, args) for v in args.variants]
