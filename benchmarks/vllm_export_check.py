@@ -54,7 +54,7 @@ CHAT_PROMPTS = [
 """16 chat prompts, asked greedily of both engines (32 tokens each, end-of-sequence ignored)."""
 ANSWER_TOKENS = 32
 LOG_FACTS = {
-    "kernel": re.compile(r"Selected (\S+) for (\S+)"),
+    "kernel": re.compile(r"(?:Selected|Using) (\S+Kernel) for (CompressedTensors\S+)"),
     "checkpoint_gib": re.compile(r"Checkpoint size: ([0-9.]+) GiB"),
     "kv_cache_tokens": re.compile(r"CPU KV cache size: ([0-9,]+) tokens"),
 }

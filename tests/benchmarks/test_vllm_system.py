@@ -146,6 +146,12 @@ def test_the_export_check_reads_vllms_log(tmp_path: Path) -> None:
         "checkpoint_gib": "0.21",
         "kv_cache_tokens": "46,592",
     }
+    log.write_text(  # the 4-bit scheme's line, after a generic one
+        "INFO [__init__.py:923] Using CPUWNA16LinearKernel for mixed-precision linear\n"
+        "INFO [compressed_tensors_wNa16.py:138] Using CPUWNA16LinearKernel for "
+        "CompressedTensorsWNA16\n"
+    )
+    assert log_facts(log) == {"kernel": "CPUWNA16LinearKernel for CompressedTensorsWNA16"}
 
 
 def test_a_worker_that_dies_at_start_raises_naming_its_log(
