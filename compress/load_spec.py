@@ -111,6 +111,8 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     if spec.format == "hf":
         model.to(device)  # type: ignore[arg-type]  # transformers types its `to` wrapper oddly
+    if spec.scheme == "compressed-tensors":  # W8A8 (pack-quantized went to load_dense above)
+        _decompress_now(model, spec)
     return model.eval()
 
 
@@ -123,3 +125,15 @@ def _int4_at_load(spec: LoadSpec) -> dict[str, Any]:
         modules_to_not_convert=spec.params["skip"],
     )
     return {"quantization_config": config, "dtype": torch.bfloat16, "device_map": "cpu"}
+
+
+def _decompress_now(model: Any, spec: LoadSpec) -> None:
+    """transformers leaves a compressed-tensors model compressed, with a hook that decompresses
+    it at the first forward: that would run inside the engine's first step (with its attention
+    and linears already swapped in). Decompress at load instead; the hooks that round W8A8's
+    inputs stay."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig.model_validate(spec.params)
+    ModelCompressor(quantization_config=config).decompress_model(model)

@@ -70,12 +70,14 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 def prepack_linears(model: nn.Module) -> int:
     """Replace every plain float32 or bfloat16 (where this CPU packs it) CPU `nn.Linear` (not
     subclasses: quantized layers keep their own kernels) by a `PackedLinear`; returns how many
-    were replaced."""
+    were replaced. A linear that compressed-tensors quantizes (its `quantization_scheme`: W8A8's
+    inputs are rounded by its forward hooks) is left as it is."""
     dtypes = packed_dtypes()
     targets = [
         (name, m)
         for name, m in model.named_modules()
         if type(m) is nn.Linear
+        and getattr(m, "quantization_scheme", None) is None
         and type(m.weight.data) is torch.Tensor  # not a quantized tensor subclass (torchao)
         and m.weight.dtype in dtypes
         and m.weight.device.type == "cpu"

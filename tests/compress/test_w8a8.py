@@ -150,3 +150,29 @@ def test_threshold_0_is_a_setting_and_a_negative_one_is_not() -> None:
     assert LibraryParams(method="bnb-int8", threshold=0).threshold == 0
     with pytest.raises(ValueError, match="threshold"):
         LibraryParams(method="bnb-int8", threshold=-1)
+
+
+def test_the_engine_serves_the_w8a8_export_as_transformers_runs_it(exported: Path) -> None:
+    """Decompressed at load (not by a hook inside the engine's first step), its linears kept
+    with their input rounding (not swapped for the engine's packed float kernels); greedy tokens
+    equal transformers' `generate` on the same export."""
+    from serve import LLM, SamplingParams
+
+    prompts = [[1, 5, 9, 20], [1, 44, 3, 300, 12, 7], [1, 250, 251]]
+    llm = LLM(str(exported), dtype="float32")
+    linears = [
+        m for n, m in llm.engine.runner.model.named_modules() if n.endswith("self_attn.q_proj")
+    ]
+    assert linears and all(type(m) is torch.nn.Linear for m in linears)
+    assert all(m.quantization_scheme.input_activations.strategy == "token" for m in linears)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ours = [c.token_ids for c in llm.generate(prompts, params)]
+    model = load_model(exported)
+    with torch.no_grad():
+        expected = [
+            model.generate(
+                torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    assert ours == expected
