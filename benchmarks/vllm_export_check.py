@@ -1,16 +1,17 @@
 """Does vLLM run our compressed-tensors exports as the workbench runs the variants? (issue 24)
 
 `python -m benchmarks.vllm_export_check VARIANT_DIR... [--out DIR] [--windows 8] [--seq-len 128]
-[--vllm-venv .vllm-venv] [--dtype float32 | bfloat16]`: for each variant (a packed one, or bnb-int8 with
-threshold 0: W8A8), exports it as compressed-tensors into OUT/<name>-ct (kept for a rerun), cuts
-held-out windows of the demo corpus's validation split with its tokenizer, and scores them three
-ways: the variant as the evals load it, transformers on the export, and vLLM's offline engine on
-the export (in its own venv, `benchmarks/vllm_worker.py`, prompt logprobs). Prints per route the
-perplexity, and vLLM's perplexity over the variant's with its top-1 agreement with the variant
-(the share of positions whose most likely token is the same) and with transformers on the export.
-Then asks 16 chat prompts (as plain text to a base model) greedily of vLLM on the export and of this engine on the variant:
-answers identical, tokens in common, the largest logprob difference of a token both chose in
-the same context; and what vLLM's log says (the kernel per scheme, checkpoint size, KV cache).
+[--vllm-venv .vllm-venv] [--dtype float32 | bfloat16]`: for each variant (a packed one, or
+bnb-int8 with threshold 0: W8A8), exports it as compressed-tensors into OUT/<name>-ct (kept for a
+rerun), cuts held-out windows of the demo corpus's validation split with its tokenizer, and
+scores them three ways: the variant as the evals load it, transformers on the export, and vLLM's
+offline engine on the export (in its own venv, `benchmarks/vllm_worker.py`, prompt logprobs).
+Prints per route the perplexity, and vLLM's perplexity over the variant's with its top-1
+agreement with the variant (the share of positions whose most likely token is the same) and with
+transformers on the export. Then asks 16 chat prompts (as plain text to a base model) greedily
+of vLLM on the export and of this engine on the variant: answers identical, tokens in common,
+the largest logprob difference of a token both chose in the same context; and what vLLM's log
+says (the kernel per scheme, checkpoint size, KV cache).
 """
 
 from __future__ import annotations

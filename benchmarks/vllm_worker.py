@@ -10,11 +10,12 @@ Protocol, one JSON object per line: after start-up the worker writes
 `{"prompts": [[ids]], "max_tokens": [n]}` it generates greedily exactly `n` tokens per prompt
 (end-of-sequence ignored) in one `LLM.generate` call and answers
 `{"seconds": wall seconds of that call, "outputs": [[ids]]}` (with `"logprobs": true` in the
-request, also `"logprobs": [[the chosen token's logprob at each step]]`) (with `"profile": true` in the
-request and `--profile-dir`, that call runs under vLLM's torch profiler, whose traces land in
-the directory); a line `{"score": [[ids]]}` is answered `{"nll": [per window: mean NLL in
-nats of tokens 2..], "top1": [per window: the most likely token at positions 1..]}` (prompt
-logprobs, one call); an empty line or end of input stops it. Everything vLLM prints goes to stderr: stdout carries the protocol only.
+request, also `"logprobs": [[the chosen token's logprob at each step]]`; with `"profile": true`
+in the request and `--profile-dir`, that call runs under vLLM's torch profiler, whose traces
+land in the directory); a line `{"score": [[ids]]}` is answered `{"nll": [per window: mean NLL
+in nats of tokens 2..], "top1": [per window: the most likely token at positions 1..]}` (prompt
+logprobs, one call); an empty line or end of input stops it. Everything vLLM prints goes to
+stderr: stdout carries the protocol only.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Model: the `gguf` package writes only the simple block types (Q8_0, Q4_0, Q4_1);
 (super-blocks of 256 weights with quantized scales, and the per-tensor mixtures that `_M` / `_S`
 name, e.g. Q4_K_M keeps half of the attention-value and feed-forward-down weights in Q6_K) are
 chosen and written by llama.cpp's `llama_model_quantize`. An export asking for one writes the
-variant's float GGUF first (its own float dtype; a packed variant's codes dequantized) and hands it to that quantizer, found as (in order) the
-`--llama-quantize` argument, `$WORKBENCH_LLAMA_QUANTIZE`, or `llama-quantize` on PATH: either a
+variant's float GGUF first (its own float dtype; a packed variant's codes dequantized) and hands
+it to that quantizer, found as (in order) the `--llama-quantize` argument,
+`$WORKBENCH_LLAMA_QUANTIZE`, or `llama-quantize` on PATH: either a
 `llama-quantize` executable (llama.cpp's tool: `llama-quantize IN OUT TYPE`) or a Python
 interpreter with llama-cpp-python (`benchmarks/llama_cpp_check.sh` builds one in .llama-venv),
 which calls the same function through its bindings. Without one, asking for a K-quant is an

@@ -26,23 +26,17 @@ import torch
 from compress.load_spec import LoadSpec
 
 
-def is_w8a8(spec: LoadSpec) -> bool:
-    """A bitsandbytes int8 variant without outlier columns."""
-    p = spec.params
-    return (
-        spec.format == "hf-quantized"
-        and spec.scheme == "bitsandbytes"
-        and bool(p.get("load_in_8bit"))
-        and float(p.get("llm_int8_threshold", 6.0)) == 0.0
-    )
-
-
 def outlier_threshold(spec: LoadSpec) -> float | None:
     """A bitsandbytes int8 variant's outlier threshold (None for any other variant)."""
     p = spec.params
     if spec.format == "hf-quantized" and spec.scheme == "bitsandbytes" and p.get("load_in_8bit"):
         return float(p.get("llm_int8_threshold", 6.0))
     return None
+
+
+def is_w8a8(spec: LoadSpec) -> bool:
+    """A bitsandbytes int8 variant without outlier columns."""
+    return outlier_threshold(spec) == 0.0
 
 
 def _scheme(names: list[str]) -> Any:
