@@ -29,8 +29,8 @@ from benchmarks.vllm_system import VllmWorker
 from compress.artifact import artifact_from_manifest
 from compress.export import export
 from compress.load_spec import load_model
+from evals import gguf_check
 from evals.artifact_eval import load_for_eval
-from evals.gguf_check import held_out_windows
 
 Scores = dict[str, list]
 
@@ -63,15 +63,9 @@ LOG_FACTS = {
 disk (its CPU build logs no weight memory) and the KV cache it allotted."""
 
 
-@torch.inference_mode()
 def score(model: torch.nn.Module, windows: list[list[int]]) -> Scores:
     """Per window: mean NLL (nats) of tokens 2.., and the argmax at positions 1.."""
-    nll, top1 = [], []
-    for ids in windows:
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-        lp = logits.log_softmax(-1)
-        nll.append(float(-lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean()))
-        top1.append(logits.argmax(-1).tolist())
+    nll, top1, _ = gguf_check.score(model, windows)
     return {"nll": nll, "top1": top1}
 
 
@@ -149,7 +143,7 @@ def check(variant: Path, out: Path, args: argparse.Namespace) -> dict[str, objec
             f"{variant.name}: exported ({', '.join(info['schemes'])}, {info['bytes'] / 1e6:.0f} MB)"
         )
     tokenizer = AutoTokenizer.from_pretrained(variant)
-    windows = held_out_windows(tokenizer, args.windows, args.seq_len)
+    windows = gguf_check.held_out_windows(tokenizer, args.windows, args.seq_len)
     dtype = getattr(torch, args.dtype)
     ours = score(load_for_eval(artifact_from_manifest(variant), dtype), windows)
     via_transformers = score(load_model(exported, dtype=dtype), windows)

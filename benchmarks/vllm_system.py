@@ -111,27 +111,26 @@ class VllmWorker:
         """Greedy, exactly `max_tokens[i]` tokens for prompt i, in one `LLM.generate` call
         (under vLLM's torch profiler when `profile` and the worker has a `profile_dir`; with
         each chosen token's logprob when `logprobs`)."""
-        assert self._process is not None and self._process.stdin is not None, "not started"
-        self._signal(signal.SIGCONT)
         job = {"prompts": prompts, "max_tokens": max_tokens, "profile": profile}
         if logprobs:
             job["logprobs"] = True
-        self._process.stdin.write(json.dumps(job))
-        self._process.stdin.write("\n")
-        self._process.stdin.flush()
-        answer = self._read()
-        if not profile:  # a profiled call's trace is written after it returns
-            self._signal(signal.SIGSTOP)
+        # a profiled call's trace is written after it returns: that worker keeps running
+        answer = self._ask(job, stop_after=not profile)
         return VllmResult(answer["seconds"], answer["outputs"], answer.get("logprobs"))
 
     def score(self, windows: list[list[int]]) -> dict[str, list[Any]]:
         """{"nll": per-window mean NLL (nats), "top1": per-window argmax ids} (prompt logprobs)."""
+        return self._ask({"score": windows})
+
+    def _ask(self, job: dict[str, Any], stop_after: bool = True) -> dict[str, Any]:
+        """Resume the worker, send one request line, read its answer, stop it again."""
         assert self._process is not None and self._process.stdin is not None, "not started"
         self._signal(signal.SIGCONT)
-        self._process.stdin.write(json.dumps({"score": windows}) + "\n")
+        self._process.stdin.write(json.dumps(job) + "\n")
         self._process.stdin.flush()
         answer = self._read()
-        self._signal(signal.SIGSTOP)
+        if stop_after:
+            self._signal(signal.SIGSTOP)
         return answer
 
     def _signal(self, sig: signal.Signals) -> None:

@@ -69,16 +69,20 @@ def held_out_windows(tokenizer: object, count: int, seq_len: int) -> list[list[i
 
 
 @torch.inference_mode()
-def score(model: torch.nn.Module, windows: list[list[int]]) -> tuple[list[float], np.ndarray]:
-    """Per-window mean NLL (nats) and the first windows' logits (float16)."""
-    nll, kept = [], []
+def score(
+    model: torch.nn.Module, windows: list[list[int]]
+) -> tuple[list[float], list[list[int]], np.ndarray]:
+    """Per window: mean NLL (nats) of tokens 2.. and the most likely token at positions 1..;
+    and the first windows' logits (float16)."""
+    nll, top1, kept = [], [], []
     for i, ids in enumerate(windows):
         logits = model(torch.tensor([ids])).logits[0].float()
         lp = logits[:-1].log_softmax(-1)
         nll.append(float(-lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean()))
+        top1.append(logits[:-1].argmax(-1).tolist())
         if i < KEPT_LOGITS:
             kept.append(logits.half().numpy())
-    return nll, np.stack(kept)
+    return nll, top1, np.stack(kept)
 
 
 def prepare(
@@ -111,11 +115,11 @@ def prepare(
             (folder / "export.json").write_text(json.dumps(info))
             print(f"{variant.name}: exported {info['gguf_type']} ({info['bytes'] / 1e6:.0f} MB)")
         gguf_type = json.loads((folder / "export.json").read_text())["gguf_type"]
-        ours, logits = score(load_for_eval(artifact_from_manifest(variant)), windows)
+        ours, _, logits = score(load_for_eval(artifact_from_manifest(variant)), windows)
         via_gguf = None
         if not adapter:
             imported = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE).eval()
-            via_gguf, _ = score(imported, windows)
+            via_gguf, _, _ = score(imported, windows)
         np.save(folder / "ours_logits.npy", logits)
         record = {"nll": ours, "gguf_nll": via_gguf, "gguf_type": gguf_type}
         (folder / "ours.json").write_text(json.dumps(record))
