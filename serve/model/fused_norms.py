@@ -23,12 +23,17 @@ PROBE_ROWS = (1, 37)
 class FusedNorm(nn.Module):
     """`F.rms_norm` over the last dim with `scale` inside it (`weight_after`: False), or without
     a scale, cast to the input dtype and then multiplied by `scale` (`weight_after`: True, as
-    Llama does for half-precision inputs)."""
+    Llama does for half-precision inputs). `weight` is the replaced module's own parameter (what
+    readers of a norm's weight find), `scale` the factor derived from it."""
 
+    weight: nn.Parameter
     scale: torch.Tensor
 
-    def __init__(self, scale: torch.Tensor, eps: float, weight_after: bool) -> None:
+    def __init__(
+        self, weight: nn.Parameter, scale: torch.Tensor, eps: float, weight_after: bool
+    ) -> None:
         super().__init__()
+        self.weight = weight
         self.register_buffer("scale", scale, persistent=False)
         self.eps, self.weight_after = eps, weight_after
         self.shape = (scale.shape[-1],)
@@ -54,13 +59,13 @@ def _candidates(module: nn.Module) -> list[Callable[[], FusedNorm]]:
     """Forms a norm module may compute: the weight inside the float32 kernel or applied after
     the cast (Llama), or `1 + weight` inside (Gemma)."""
     weight, eps = getattr(module, "weight", None), _eps(module)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or eps is None:
         return []
     w = weight.detach()
     return [
-        lambda: FusedNorm(w.float(), eps, weight_after=False),
-        lambda: FusedNorm(w, eps, weight_after=True),
-        lambda: FusedNorm(1.0 + w.float(), eps, weight_after=False),
+        lambda: FusedNorm(weight, w.float(), eps, weight_after=False),
+        lambda: FusedNorm(weight, w, eps, weight_after=True),
+        lambda: FusedNorm(weight, 1.0 + w.float(), eps, weight_after=False),
     ]
 
 

@@ -77,3 +77,19 @@ def test_engine_fuses_norms_by_default_with_the_same_greedy_tokens(
         outputs[fuse] = done
     assert fused[True] == 2 * 6 + 1 and fused[False] == 0  # 4 + q/k norms per layer, final
     assert outputs[True] == outputs[False]
+
+
+def test_int8_kv_key_smoothing_reads_the_fused_k_norms(model_dirs: dict[str, Path]) -> None:
+    """Regression: the int8 KV cache's key smoothing reads each `k_norm`'s weight; fused norms
+    keep it (the engine fuses before it builds the cache)."""
+    from serve.model.kv_cache import layer_key_smoothing
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["gemma3"], dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_norm.weight.copy_(torch.linspace(-0.9, 3.0, 16))
+    want = layer_key_smoothing(model)
+    assert fuse_rms_norms(model, torch.float32) > 0
+    got = layer_key_smoothing(model)
+    assert want.keys() == got.keys() and all(w is not None for w in want.values())
+    assert all(torch.equal(got[i], want[i]) for i in want)  # type: ignore[arg-type]
