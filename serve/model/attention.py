@@ -60,6 +60,22 @@ class DecodeGroup:
     """[S_g, 1, 1, max_blocks * block_size]: True where a gathered slot is in context."""
     seq_lens: torch.Tensor
     """[S_g]: tokens in context of each sequence, this step's included."""
+    first_row: int | None = None
+    """When `rows` are consecutive and ascending (the usual case: decodes come first in a step),
+    the first; the group's queries and outputs are then a slice of the batch, not gathered."""
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's rows of `x`."""
+        if self.first_row is not None:
+            return x[self.first_row : self.first_row + len(self.rows)]
+        return x.index_select(0, self.rows)
+
+    def put(self, out: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the group's rows of `out`."""
+        if self.first_row is not None:
+            out[self.first_row : self.first_row + len(self.rows)] = values
+        else:
+            out.index_copy_(0, self.rows, values)
 
 
 @dataclass(frozen=True)
@@ -150,9 +166,12 @@ class SDPABackend:
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
+        decodes = meta.decodes
+        if not meta.prefills and len(decodes) == 1 and decodes[0].first_row == 0:
+            return self.attend_decodes(q, k_cache, v_cache, decodes[0], scale, window)
         out = torch.empty_like(q)
-        for g in meta.decodes:
-            out[g.rows] = self.attend_decodes(q[g.rows], k_cache, v_cache, g, scale, window)
+        for g in decodes:
+            g.put(out, self.attend_decodes(g.take(q), k_cache, v_cache, g, scale, window))
         self.attend_prefills(q, k_cache, v_cache, meta, scale, out, window)
         return out
 

@@ -62,8 +62,11 @@ def decode_groups(
     device: torch.device,
 ) -> list[DecodeGroup]:
     """Decoding sequences (flat query row, block table, tokens in context) sorted by length and
-    cut into groups of `group_size` (None: one group), block tables padded with block 0."""
-    order = sorted(range(len(rows)), key=lambda i: lens[i])
+    cut into groups of `group_size` (None: one group in the step's order, which padding does not
+    concern), block tables padded with block 0."""
+    order = list(range(len(rows)))
+    if group_size is not None:
+        order.sort(key=lambda i: lens[i])
     size = group_size or max(len(order), 1)
     groups = []
     for start in range(0, len(order), size):
@@ -72,12 +75,15 @@ def decode_groups(
         padded = [tables[i] + [0] * (width - len(tables[i])) for i in members]
         seq_lens = torch.tensor([lens[i] for i in members], device=device)
         mask = torch.arange(width * block_size, device=device)[None, :] < seq_lens[:, None]
+        member_rows = [rows[i] for i in members]
+        consecutive = member_rows == list(range(member_rows[0], member_rows[0] + len(members)))
         groups.append(
             DecodeGroup(
-                rows=torch.tensor([rows[i] for i in members], dtype=torch.long, device=device),
+                rows=torch.tensor(member_rows, dtype=torch.long, device=device),
                 block_tables=torch.tensor(padded, dtype=torch.long, device=device),
                 mask=mask[:, None, None, :],
                 seq_lens=seq_lens,
+                first_row=member_rows[0] if consecutive else None,
             )
         )
     return groups

@@ -91,6 +91,36 @@ def test_sliding_window_in_sdpa_equals_the_reference_for_prefill_chunks_and_deco
     assert not torch.allclose(ReferenceBackend().attend(q, k, v, meta, 0.25), expected)
 
 
+@pytest.mark.parametrize("layout", ["decodes_first", "decodes_after_a_prefill", "interleaved"])
+@pytest.mark.parametrize("backend", ["sdpa", "paged-cpu"])
+def test_decode_rows_anywhere_in_the_step_equal_the_reference(layout: str, backend: str) -> None:
+    """Decode groups read as a slice of the batch (rows consecutive: the whole batch, or after a
+    prefill) or gathered (rows around a prefill) give the reference's outputs."""
+    from serve.model.attention import SDPABackend, SequenceSlice
+
+    if backend == "paged-cpu" and cpu_attention.load_kernel() is None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(0)
+    block_size, lens = 4, [3, 12, 13, 40]
+    k, v = torch.randn(64, block_size, 2, 16), torch.randn(64, block_size, 2, 16)
+    prefill_rows = {"decodes_first": None, "decodes_after_a_prefill": 0, "interleaved": 1}
+    first = prefill_rows[layout]
+    prefills = [] if first is None else [SequenceSlice(first, first + 5, 5, torch.arange(2))]
+    taken = set(range(first, first + 5)) if first is not None else set()
+    rows = [r for r in range(len(lens) + len(taken)) if r not in taken]
+    tables = [list(range(2 + 12 * i, 2 + 12 * i + 12)) for i in range(len(lens))]
+    impl = SDPABackend() if backend == "sdpa" else cpu_attention.PagedCPUBackend()
+    groups = decode_groups(
+        rows, tables, lens, block_size, impl.decode_group_size, torch.device("cpu")
+    )
+    consecutive = layout != "interleaved"
+    assert all((g.first_row is not None) == consecutive for g in groups)
+    q = torch.randn(len(rows) + len(taken), 4, 16)
+    meta = AttentionMetadata([(k, v)], torch.empty(0), prefills, groups, ReferenceBackend())
+    expected = ReferenceBackend().attend(q, k, v, meta, 0.25)
+    torch.testing.assert_close(impl.attend(q, k, v, meta, 0.25), expected, rtol=1e-5, atol=1e-5)
+
+
 @needs_c_compiler
 def test_bfloat16_decode_kernel_is_float32_math_rounded_once() -> None:
     """bf16 inputs, float32 accumulation, one rounding of the output: within bf16's precision
