@@ -22,7 +22,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor
-    """Flat rows whose logits are computed."""
+    """Flat rows whose logits are computed: ascending and distinct (T of them: every row)."""
     sample_rows: dict[str, int]
     """request id -> index (into the kept logits) of the row it samples from."""
     prompt_rows: dict[str, tuple[int, int]]
