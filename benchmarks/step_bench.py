@@ -6,9 +6,8 @@ a decode step at 1, 16 and 64 running sequences, and the prefill of 1,024 prompt
 
 Engine systems: engine (defaults), engine-bf16, engine-compile and engine-bf16-compile
 (`--compile`: graphs built when the system is set up, not timed), sdpa (the gather backend),
-sdpa-flinear (also without prepacked linears), engine-unfused (transformers' own RMSNorm
-modules). Baselines: generate, generate-bf16, and vllm (`--vllm-venv`: vLLM's offline engine in
-its own venv, default flags, prefix caching off).
+sdpa-flinear (also without prepacked linears). Baselines: generate, generate-bf16, and vllm
+(`--vllm-venv`: vLLM's offline engine in its own venv, default flags, prefix caching off).
 
 - engine systems: `n` requests of `context` prompt tokens are prefilled, then 32 decode steps are
   timed (`engine.step()`, all of it: schedule, inputs, forward, sample, update). Prefill: one
@@ -55,7 +54,6 @@ class EngineSystem:
     prepack: bool = True
     dtype: Dtype = "float32"
     compile: bool = False
-    fuse_norms: bool = True
 
 
 ENGINE_SYSTEMS = {
@@ -65,7 +63,6 @@ ENGINE_SYSTEMS = {
     "engine-bf16-compile": EngineSystem(dtype="bfloat16", compile=True),
     "sdpa": EngineSystem(backend="sdpa"),
     "sdpa-flinear": EngineSystem(backend="sdpa", prepack=False),
-    "engine-unfused": EngineSystem(fuse_norms=False),
 }
 GENERATE_SYSTEMS = {"generate": torch.float32, "generate-bf16": torch.bfloat16}
 
@@ -82,7 +79,6 @@ def make_engine(model: Path, system: EngineSystem, prefill: int, device: str = "
             device=device,
             attention_backend=system.backend,
             prepack_linears=system.prepack,
-            fuse_norms=system.fuse_norms,
             compile=system.compile,
         ),
         CacheConfig(num_blocks=4096, block_size=8),

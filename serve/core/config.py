@@ -129,9 +129,6 @@ class ModelConfig:
     prepack_linears: bool = True
     """On the CPU in float32 or bfloat16: run plain linear layers through oneDNN with prepacked
     weights (`serve/model/cpu_linear.py`); False keeps `F.linear`."""
-    fuse_norms: bool = True
-    """On the CPU: run RMSNorm layers through torch's one-pass `rms_norm` where it gives bitwise
-    the model's own output (`serve/model/fused_norms.py`); False keeps the model's modules."""
     compile: bool = False
     """Run each step's forward through `torch.compile` (`serve/model/compilation.py`): graphs for the
     step shapes are compiled at load (seconds to minutes), float models without LoRA only."""
