@@ -195,7 +195,7 @@ class ModelRunner:
         """Float32 logits at `inputs.logits_rows`: [len(logits_rows), vocab]; the attention
         metadata and the step's adapters travel in the step's forward contexts."""
         rows: torch.Tensor | int = inputs.logits_rows
-        if self.compiled is None and len(rows) == len(inputs.input_ids):
+        if self.compiled is None and len(inputs.logits_rows) == len(inputs.input_ids):
             rows = 0  # every row, ascending (a decode-only step): a view, not a gather
         with step_context(inputs.meta), lora_step_context(lora):
             call = self.compiled if self.compiled is not None else self.model
