@@ -35,6 +35,7 @@ from serve.core.sampling_params import OutputKind, SamplingParams
 from serve.core.stats import EngineStats
 from serve.engine.llm_engine import InvalidRequest, LLMEngine, RequestOutput, StepFailed
 from serve.engine.metrics import ServerMetrics
+from serve.model.openmp_pool import release_thread_pool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -153,6 +154,7 @@ class AsyncEngine:
             self.engine.cache_config.block_size, runner.num_blocks, runner.layout.bytes_per_token()
         )
         self.metrics.observe_stats(self.stats)
+        release_thread_pool()  # the loader's OpenMP workers: the engine thread computes now
         self._thread.start()
 
     def stop(self) -> None:
