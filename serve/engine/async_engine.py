@@ -35,6 +35,7 @@ from serve.core.sampling_params import OutputKind, SamplingParams
 from serve.core.stats import EngineStats
 from serve.engine.llm_engine import InvalidRequest, LLMEngine, RequestOutput, StepFailed
 from serve.engine.metrics import ServerMetrics
+from serve.lora.adapter import Adapter
 from serve.model.openmp_pool import release_thread_pool
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,14 @@ class AsyncEngine:
                 "LoRA serving is off; start the server with --max-loras N (or --lora)"
             )
         started = time.perf_counter()
-        adapter = await asyncio.to_thread(manager.read, path, root)
+
+        def read() -> Adapter:
+            try:
+                return manager.read(path, root)
+            finally:  # its checks may have made OpenMP workers on this thread: one pool only
+                release_thread_pool()
+
+        adapter = await asyncio.to_thread(read)
 
         def register() -> tuple[int, list[str]]:
             before = set(manager.current)
