@@ -98,6 +98,7 @@ def compare(
                 continue
             rows.append(
                 {"variant": name, "metric": m.key, "pairing": m.paired, "better": m.better}
+                | ({"data": m.source} if m.paired == "window_nll" else {})
                 | result.to_json()
             )
     for row, p in zip(rows, paired.adjust([r["p"] for r in rows]), strict=True):

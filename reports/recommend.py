@@ -3,7 +3,8 @@
 Model: the reader must pick one variant. The sentences say (1) the smallest variant whose
 benchmark scores show no detectable loss against the reference at this n (and what this n could
 have detected), (2) what each variant costs: its weights against the reference's and every paired
-difference that is detectable, (3) which variants are dominated on weight memory against the
+difference that is detectable, a held-out difference on data the variant's own steps trained or
+calibrated on marked as such (a LoRA's gain on its training text is no evidence), (3) which variants are dominated on weight memory against the
 quality axis (held-out KL), by whom, and which variants were left off that axis because they
 trained or calibrated on its data, (4) with an SLO, the capacity within it, (5) for a variant
 served differently from another with the same weights (an int8 KV cache), how far its KV cache
@@ -29,8 +30,13 @@ def _benchmark(row: dict[str, Any]) -> bool:
     return row["pairing"] in ("accuracy", "bits_per_byte")
 
 
-def _named(row: dict[str, Any], labels: dict[str, str]) -> str:
-    return f"{labels.get(row['metric'], row['metric'])} {describe_delta(row)}"
+FITTED = " (on data it trained or calibrated on)"
+"""After a held-out difference measured on a data set the variant's own steps used."""
+
+
+def _named(row: dict[str, Any], labels: dict[str, str], seen: frozenset[str] = frozenset()) -> str:
+    fitted = FITTED if row.get("data") in seen else ""
+    return f"{labels.get(row['metric'], row['metric'])} {describe_delta(row)}{fitted}"
 
 
 class _Run:
@@ -47,6 +53,7 @@ class _Run:
         self.front = report.get("pareto_front") or []
         self.variants: list[dict[str, Any]] = report["variants"]
         self.sittings: list[dict[str, Any]] = report.get("load_sittings") or []
+        self.seen = {v["name"]: frozenset(v.get("seen_data") or ()) for v in self.variants}
 
     def ratio(self, name: str) -> str:
         w, ref = self.weights.get(name), self.weights.get(self.reference or "")
@@ -78,7 +85,11 @@ def _smallest_without_loss(run: _Run) -> str:
     best = min(clean, key=lambda n: run.weights[n] or 0)
     bench = run.benchmarks(best)
     widest = max(bench, key=lambda r: r["mde"])
-    held_out = [r for r in run.by_variant[best] if not _benchmark(r)]
+    held_out = [
+        r
+        for r in run.by_variant[best]
+        if not _benchmark(r) and r.get("data") not in run.seen.get(best, ())
+    ]
     worse_held = [r for r in held_out if r["verdict"] == "worse"]
     text = (
         f"**{best}** is the smallest variant with no detectable loss on the benchmarks against "
@@ -99,10 +110,11 @@ def _costs(run: _Run, name: str) -> str:
     same = [r for r in rows if r["verdict"] == "no detectable difference"]
     size = run.weights.get(name)
     parts = [f"**{name}** ({_mb(size) if size else '?'}, {run.ratio(name)}):"]
+    seen = run.seen.get(name, frozenset())
     if worse:
-        parts.append("Worse on " + "; ".join(_named(r, run.labels) for r in worse) + ".")
+        parts.append("Worse on " + "; ".join(_named(r, run.labels, seen) for r in worse) + ".")
     if better:
-        parts.append("Better on " + "; ".join(_named(r, run.labels) for r in better) + ".")
+        parts.append("Better on " + "; ".join(_named(r, run.labels, seen) for r in better) + ".")
     if same:
         labels = ", ".join(run.labels.get(r["metric"], r["metric"]) for r in same)
         parts.append(f"No detectable difference on {labels}.")

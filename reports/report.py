@@ -126,6 +126,7 @@ def build_report(
                 "name": v.name,
                 "row": row,
                 "serve": v.serve.model_dump(mode="json", exclude_defaults=True),
+                "seen_data": sorted(seen_data(v.manifest.steps)),
                 "manifest": {
                     "kind": v.manifest.kind,
                     "hash": v.manifest.hash,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from reports.recommend import recommendation
+from reports.recommend import FITTED, recommendation
 from reports.report import seen_data
 from reports.rows import pareto_front
 
@@ -23,7 +23,7 @@ def _comparison(variant: str, metric: str, pairing: str, delta: float, verdict: 
         if pairing == "accuracy" else "lower", "n": 200, "delta": delta, "low": delta - 0.03,
         "high": delta + 0.03, "p": 0.5, "p_adjusted": 0.5, "mde": 0.07, "test": "t",
         "verdict": verdict,
-    }  # fmt: skip
+    } | ({"data": metric.removeprefix("ppl_")} if pairing == "window_nll" else {})  # fmt: skip
 
 
 def make_report(**verdicts: str) -> dict[str, Any]:
@@ -199,3 +199,19 @@ def test_a_variant_served_differently_is_set_beside_its_twin() -> None:
     ]
     report["variants"][-1]["manifest"]["hash"] = "own weights"
     assert not [s for s in recommendation(report) if s.startswith("int8-kv8 is")]
+
+
+def test_a_difference_on_data_the_variant_fitted_is_marked_as_such() -> None:
+    report = make_report()
+    text = recommendation(report)
+    int8 = next(s for s in text if s.startswith("**int8**"))
+    assert "token ppl (corpus) +1.21% ppl" in int8 and FITTED not in int8
+    assert "Held-out text does show its cost: token ppl (corpus)" in text[1]
+    for v in report["variants"]:
+        v["seen_data"] = ["corpus"] if v["name"] in ("int8", "int4") else ["shakespeare"]
+    text = recommendation(report)
+    int8 = next(s for s in text if s.startswith("**int8**"))
+    assert f"token ppl (corpus) +1.21% ppl [-1.78, +4.29]{FITTED}" in int8
+    nf4 = next(s for s in text if s.startswith("**nf4**"))
+    assert FITTED not in nf4  # it fitted Shakespeare, not the corpus
+    assert text[1].startswith("**int4** is the smallest") and "Held-out text" not in text[1]
