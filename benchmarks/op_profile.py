@@ -4,7 +4,9 @@ elementwise, sampling, other operators) and the rest of the wall time (Python, s
 waiting) as `outside operators`.
 
 `python -m benchmarks.op_profile --vllm-venv .vllm-venv [--model llama-25m]
-[--workloads decode-64,prefill-bound] [--out reports/op-profile.json]`
+[--workloads decode-64,prefill-bound] [--compile] [--out reports/op-profile.json]`
+(`--compile`: this engine through `torch.compile`, as vLLM runs by default; inductor's C++
+kernels then appear as operators named after what they fuse.)
 
 - `decode-N`: N prompts of 128 tokens, 33 output tokens each (one prefill step, 32 decodes).
 - any workload of `bench-engine` (`mixed-256`, `prefill-bound`, ...), 64 requests.
@@ -144,8 +146,14 @@ def traced_decode_attention(engine: LLMEngine) -> None:
     backend.attend_decodes = traced  # on this one instance
 
 
-def profile_engine(model: Path, w: Workload) -> tuple[float, dict[str, float]]:
-    engine = engine_for(model, 1 << 30)
+def profile_engine(
+    model: Path, w: Workload, compile_model: bool = False
+) -> tuple[float, dict[str, float]]:
+    if compile_model:  # each of inductor's C++ kernels a profiler event, named by what it fuses
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.enable_kernel_profile = True
+    engine = engine_for(model, 1 << 30, compile_model=compile_model)
     traced_decode_attention(engine)
     run_engine(engine, w)  # warm
     trace = Path(tempfile.mkdtemp()) / "engine.json"
@@ -178,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="decode-64,prefill-bound")
     parser.add_argument("--vllm-venv", type=Path, required=True)
     parser.add_argument("--out", default="reports/op-profile.json")
+    parser.add_argument(
+        "--compile", action="store_true", help="this engine through torch.compile, as vLLM runs"
+    )
     args = parser.parse_args(argv)
     model = resolve_model(args.model)
     from transformers import AutoConfig
@@ -189,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     with VllmWorker(args.vllm_venv, model, log, profile_dir=profile_dir) as worker:
         for kind in args.workloads.split(","):
             w = workload(kind, vocab)
-            ours = profile_engine(model, w)
+            ours = profile_engine(model, w, args.compile)
             theirs = profile_vllm(worker, w)
             results[kind] = {"engine": ours, "vllm": theirs}
             print(f"== {kind}: wall engine {ours[0] * 1000:.0f} ms, vllm {theirs[0] * 1000:.0f} ms")
