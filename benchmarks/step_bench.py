@@ -4,7 +4,8 @@ a decode step at 1, 16 and 64 running sequences, and the prefill of 1,024 prompt
 `python -m benchmarks.step_bench [--model DIR|demo|llama-25m|smollm2] [--systems engine,sdpa,generate]
 [--rounds 3] [--context 128] [--device cpu|cuda]`
 
-Engine systems: engine (defaults), engine-bf16, engine-compile and engine-bf16-compile
+Engine systems: engine (defaults), engine-bf16, engine-compile, engine-bf16-compile, engine-unmerged
+and engine-compile-unmerged (q/k/v and gate/up as separate products)
 (`--compile`: graphs built when the system is set up, not timed), sdpa (the gather backend),
 sdpa-flinear (also without prepacked linears). Baselines: generate, generate-bf16, and vllm
 (`--vllm-venv`: vLLM's offline engine in its own venv, default flags, prefix caching off).
@@ -54,12 +55,15 @@ class EngineSystem:
     prepack: bool = True
     dtype: Dtype = "float32"
     compile: bool = False
+    merge: bool = True
 
 
 ENGINE_SYSTEMS = {
     "engine": EngineSystem(),
     "engine-bf16": EngineSystem(dtype="bfloat16"),
     "engine-compile": EngineSystem(compile=True),
+    "engine-unmerged": EngineSystem(merge=False),
+    "engine-compile-unmerged": EngineSystem(compile=True, merge=False),
     "engine-bf16-compile": EngineSystem(dtype="bfloat16", compile=True),
     "sdpa": EngineSystem(backend="sdpa"),
     "sdpa-flinear": EngineSystem(backend="sdpa", prepack=False),
@@ -79,6 +83,7 @@ def make_engine(model: Path, system: EngineSystem, prefill: int, device: str = "
             device=device,
             attention_backend=system.backend,
             prepack_linears=system.prepack,
+            merge_projections=system.merge,
             compile=system.compile,
         ),
         CacheConfig(num_blocks=4096, block_size=8),

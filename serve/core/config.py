@@ -129,6 +129,8 @@ class ModelConfig:
     prepack_linears: bool = True
     """On the CPU in float32 or bfloat16: run plain linear layers through oneDNN with prepacked
     weights (`serve/model/cpu_linear.py`); False keeps `F.linear`."""
+    merge_projections: bool = True
+    """With `prepack_linears`: q/k/v and gate/up as one prepacked product each."""
     compile: bool = False
     """Run each step's forward through `torch.compile` (`serve/model/compilation.py`): graphs for the
     step shapes are compiled at load (seconds to minutes), float models without LoRA only."""

@@ -6,6 +6,13 @@ the weight is reordered into oneDNN's blocked layout (bfloat16 too: 1.1-1.8x ove
 at 1-64 rows on an avx512_bf16 CPU). `prepack_linears` replaces every plain float32 or bfloat16
 `nn.Linear` of a CPU model by a `PackedLinear` holding only the reordered weight (the
 original is released unless another module shares it, as a tied lm_head does).
+Projections that read the same input in a decoder layer (q/k/v, gate/up: `GROUPS`) become one
+product each (`GroupedLinear`): at decode batches oneDNN's per-call cost is a large share of a
+small product (merged q/k/v took 0.43-0.52x the three calls' time at one row, 0.59-0.75x at 16,
+0.82-0.96x at 64; parity at 1,024 rows), and vLLM runs them merged too. The first member called
+with an input computes the group's product; the others return their columns of it, and the last
+drops it. A member called with another input (another order, a wrapper that copies it) computes
+the product itself: slower, never wrong.
 NOTE: results equal `F.linear`'s up to float32 rounding (about 1e-6 relative); greedy outputs
 stay token-exact against `generate` in the engine tests.
 """
@@ -19,6 +26,8 @@ from serve.model.opaque_ops import define_opaque_op
 
 
 class PackedLinear(nn.Module):
+    packed_weight: torch.Tensor
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -27,9 +36,56 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return packed_linear(x, self.packed_weight, self.bias, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return _product(x, self.packed_weight, self.bias, self.out_features)
+
+
+GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Sibling projections of one input, in the order transformers' decoder layers call them."""
+
+
+def _product(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return packed_linear(x, packed_weight, bias, out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+class _GroupProduct:
+    """A group's merged product of its current input, from the first member's call until the
+    last member has read it."""
+
+    def __init__(
+        self, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> None:
+        self.packed_weight, self.bias, self.out_features = packed_weight, bias, out_features
+        self.x: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
+
+
+class GroupedLinear(nn.Module):
+    """One projection of a group sharing its input: columns [lo, hi) of the group's product."""
+
+    packed_weight: torch.Tensor
+
+    def __init__(
+        self, group: _GroupProduct, lo: int, hi: int, in_features: int, last: bool
+    ) -> None:
+        super().__init__()
+        self.group, self.lo, self.hi, self.last = group, lo, hi, last
+        self.in_features, self.out_features = in_features, hi - lo
+        self.register_buffer("packed_weight", group.packed_weight, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.group
+        if group.x is x and group.y is not None:
+            y = group.y
+        else:
+            y = _product(x, self.packed_weight, group.bias, group.out_features)
+            group.x, group.y = x, y
+        if self.last:
+            group.x = group.y = None
+        return y[..., self.lo : self.hi]
 
 
 def _packed_linear(
@@ -67,22 +123,59 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Replace every plain float32 or bfloat16 (where this CPU packs it) CPU `nn.Linear` (not
-    subclasses: quantized layers keep their own kernels) by a `PackedLinear`; returns how many
-    were replaced. A linear that compressed-tensors quantizes (its `quantization_scheme`: W8A8's
-    inputs are rounded by its forward hooks) is left as it is."""
-    dtypes = packed_dtypes()
-    targets = [
-        (name, m)
-        for name, m in model.named_modules()
-        if type(m) is nn.Linear
+def _packable(m: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
+    return (
+        type(m) is nn.Linear
         and getattr(m, "quantization_scheme", None) is None
         and type(m.weight.data) is torch.Tensor  # not a quantized tensor subclass (torchao)
         and m.weight.dtype in dtypes
         and m.weight.device.type == "cpu"
-    ]
+    )
+
+
+def _group(parent: nn.Module, names: tuple[str, ...]) -> int:
+    """Replace the projections `names` of `parent` by `GroupedLinear`s over one merged product."""
+    linears: list[nn.Linear] = [getattr(parent, n) for n in names]
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    group = _GroupProduct(packed, bias, weight.shape[0])
+    lo = 0
+    for i, (name, m) in enumerate(zip(names, linears, strict=True)):
+        last = i == len(names) - 1
+        setattr(parent, name, GroupedLinear(group, lo, lo + m.out_features, m.in_features, last))
+        lo += m.out_features
+    return len(names)
+
+
+def _groups(
+    model: nn.Module, dtypes: tuple[torch.dtype, ...]
+) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    """(parent, names) of every group whose members are packable linears of one input size,
+    dtype and bias presence."""
+    found = []
+    for parent in model.modules():
+        for names in GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            if not all(m is not None and _packable(m, dtypes) for m in members):
+                continue
+            if (
+                len({(m.in_features, m.weight.dtype, m.bias is None) for m in members}) == 1  # type: ignore[union-attr]
+            ):
+                found.append((parent, names))
+    return found
+
+
+def prepack_linears(model: nn.Module, merge_groups: bool = True) -> int:
+    """Replace every plain float32 or bfloat16 (where this CPU packs it) CPU `nn.Linear` (not
+    subclasses: quantized layers keep their own kernels) by a `PackedLinear`, or, for the
+    projections of a group (`GROUPS`, with `merge_groups`), by `GroupedLinear`s over one merged
+    product; returns how many were replaced. A linear that compressed-tensors quantizes (its
+    `quantization_scheme`: W8A8's inputs are rounded by its forward hooks) is left as it is."""
+    dtypes = packed_dtypes()
+    grouped = sum(_group(p, names) for p, names in _groups(model, dtypes)) if merge_groups else 0
+    targets = [(name, m) for name, m in model.named_modules() if _packable(m, dtypes)]
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, PackedLinear(module))
-    return len(targets)
+    return grouped + len(targets)

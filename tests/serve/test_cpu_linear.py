@@ -12,7 +12,7 @@ from torch import nn
 from serve.core.config import CacheConfig, ModelConfig
 from serve.core.sampling_params import SamplingParams
 from serve.engine.llm_engine import LLMEngine
-from serve.model.cpu_linear import PackedLinear, prepack_linears
+from serve.model.cpu_linear import GroupedLinear, PackedLinear, prepack_linears
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
@@ -82,7 +82,8 @@ def test_engine_prepacks_by_default_with_the_same_greedy_tokens(
             ModelConfig(str(model_dirs["llama"]), "float32", "cpu", prepack_linears=prepack),
             CacheConfig(num_blocks=256),
         )
-        packed[prepack] = sum(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
+        kinds = [type(m) for m in engine.runner.model.modules()]
+        packed[prepack] = (kinds.count(PackedLinear), kinds.count(GroupedLinear))
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         for i, prompt in enumerate([[5, 6, 7], list(range(20, 90))]):
             engine.add_request(str(i), prompt, params)
@@ -90,5 +91,43 @@ def test_engine_prepacks_by_default_with_the_same_greedy_tokens(
         while engine.has_unfinished_requests():
             done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
         outputs[prepack] = done
-    assert packed[True] == 2 * 7 + 1 and packed[False] == 0  # 7 per layer + lm_head
+    # per layer q/k/v and gate/up grouped, o and down packed alone; and lm_head
+    assert packed[True] == (2 * 2 + 1, 2 * 5) and packed[False] == (0, 0)
     assert outputs[True] == outputs[False]
+
+
+class _Attention(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(48, n, bias=bias) for n in (64, 32, 32))
+        self.o_proj = nn.Linear(64, 48)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_projections_equal_each_linear_and_drop_the_product(bias: bool) -> None:
+    torch.manual_seed(0)
+    attn = _Attention(bias)
+    reference = {n: getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert prepack_linears(attn) == 4
+    assert [type(attn.q_proj), type(attn.v_proj), type(attn.o_proj)] == [
+        GroupedLinear, GroupedLinear, PackedLinear
+    ]  # fmt: skip
+    x = torch.randn(3, 5, 48)
+    for name in ("q_proj", "k_proj", "v_proj"):  # the order transformers calls them in
+        torch.testing.assert_close(getattr(attn, name)(x), reference[name](x), rtol=1e-5, atol=1e-5)
+    assert attn.q_proj.group.x is None and attn.q_proj.group.y is None  # the last one dropped it
+    other = torch.randn(2, 48)  # out of order, and a member seeing another input: still right
+    for name, inp in (("v_proj", x), ("k_proj", other), ("q_proj", x)):
+        torch.testing.assert_close(
+            getattr(attn, name)(inp), reference[name](inp), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_groups_of_mixed_inputs_or_kinds_stay_separate() -> None:
+    attn = _Attention(bias=False)
+    attn.k_proj = nn.Linear(48, 32, bias=True)  # bias on one member only
+    assert prepack_linears(attn) == 4
+    assert {type(attn.q_proj), type(attn.k_proj), type(attn.v_proj)} == {PackedLinear}
+    unmerged = _Attention(bias=False)
+    assert prepack_linears(unmerged, merge_groups=False) == 4
+    assert type(unmerged.q_proj) is PackedLinear
