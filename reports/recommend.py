@@ -3,10 +3,10 @@
 Model: the reader must pick one variant. The sentences say (1) the smallest variant whose
 benchmark scores show no detectable loss against the reference at this n (and what this n could
 have detected), (2) what each variant costs: its weights against the reference's and every paired
-difference that is detectable, a held-out difference on data the variant's own steps trained or
-calibrated on marked as such (a LoRA's gain on its training text is no evidence), (3) which variants are dominated on weight memory against the
-quality axis (held-out KL), by whom, and which variants were left off that axis because they
-trained or calibrated on its data, (4) with an SLO, the capacity within it, (5) for a variant
+difference that is detectable, one measured on a data set the variant's own steps trained or
+calibrated on marked as in-domain (a LoRA's gain on its training text is no evidence), (3) which
+variants are dominated on weight memory against the quality axis (held-out KL), by whom, and
+which variants were left off that axis because they trained or calibrated on its data, (4) with an SLO, the capacity within it, (5) for a variant
 served differently from another with the same weights (an int8 KV cache), how far its KV cache
 and saturation point moved. Nothing here is written by hand per run: change a number in
 report.json and the sentence changes with it.

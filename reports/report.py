@@ -56,14 +56,13 @@ def seen_data(steps: list[StepRecord]) -> set[str]:
 
 
 def quality_axis(
-    variants: list[VariantResult], metrics: list[Metric], measured: dict[str, VariantEvals]
+    seen: dict[str, set[str]], metrics: list[Metric], measured: dict[str, VariantEvals]
 ) -> dict[str, Any]:
     """The quality plot's and Pareto front's axis: KL against the reference on the held-out data
-    set the fewest variants trained or calibrated on (those are `excluded` from the front), else
-    the first task's headline metric."""
+    set the fewest variants trained or calibrated on (`seen`: each variant's `seen_data`; those
+    are `excluded` from the front), else the first task's headline metric."""
     kl = [m for m in metrics if m.group == "divergence" and KL.owns(m.key)]
     if kl:
-        seen = {v.name: seen_data(v.manifest.steps) for v in variants}
         axis = min(kl, key=lambda m: sum(m.source in s for s in seen.values()))
         excluded = [name for name, s in seen.items() if axis.source in s]
         return {"key": axis.key, "lower_is_better": True, "excluded": excluded}
@@ -111,7 +110,8 @@ def build_report(
     for row in rows:
         if comparisons is not None and len(rows) > 1:
             row["verdicts"] = summary(comparisons, row["variant"])
-    axis = quality_axis(variants, metrics, measured)
+    seen = {v.name: seen_data(v.manifest.steps) for v in variants}
+    axis = quality_axis(seen, metrics, measured)
     on_axis = [r for r in rows if r["variant"] not in axis["excluded"]]
     report = {
         "schema": SCHEMA,
@@ -126,7 +126,7 @@ def build_report(
                 "name": v.name,
                 "row": row,
                 "serve": v.serve.model_dump(mode="json", exclude_defaults=True),
-                "seen_data": sorted(seen_data(v.manifest.steps)),
+                "seen_data": sorted(seen[v.name]),
                 "manifest": {
                     "kind": v.manifest.kind,
                     "hash": v.manifest.hash,

@@ -55,10 +55,8 @@ class _GroupProduct:
     """A group's merged product of its current input, from the first member's call until the
     last member has read it."""
 
-    def __init__(
-        self, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
-    ) -> None:
-        self.packed_weight, self.bias, self.out_features = packed_weight, bias, out_features
+    def __init__(self, bias: torch.Tensor | None, out_features: int) -> None:
+        self.bias, self.out_features = bias, out_features
         self.x: torch.Tensor | None = None
         self.y: torch.Tensor | None = None
 
@@ -69,12 +67,18 @@ class GroupedLinear(nn.Module):
     packed_weight: torch.Tensor
 
     def __init__(
-        self, group: _GroupProduct, lo: int, hi: int, in_features: int, last: bool
+        self,
+        group: _GroupProduct,
+        packed_weight: torch.Tensor,
+        lo: int,
+        hi: int,
+        in_features: int,
+        last: bool,
     ) -> None:
         super().__init__()
         self.group, self.lo, self.hi, self.last = group, lo, hi, last
         self.in_features, self.out_features = in_features, hi - lo
-        self.register_buffer("packed_weight", group.packed_weight, persistent=False)
+        self.register_buffer("packed_weight", packed_weight, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.group
@@ -139,11 +143,12 @@ def _group(parent: nn.Module, names: tuple[str, ...]) -> int:
     weight = torch.cat([m.weight.detach() for m in linears])
     bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    group = _GroupProduct(packed, bias, weight.shape[0])
+    group = _GroupProduct(bias, weight.shape[0])
     lo = 0
     for i, (name, m) in enumerate(zip(names, linears, strict=True)):
         last = i == len(names) - 1
-        setattr(parent, name, GroupedLinear(group, lo, lo + m.out_features, m.in_features, last))
+        member = GroupedLinear(group, packed, lo, lo + m.out_features, m.in_features, last)
+        setattr(parent, name, member)
         lo += m.out_features
     return len(names)
 
@@ -157,11 +162,9 @@ def _groups(
     for parent in model.modules():
         for names in GROUPS:
             members = [getattr(parent, n, None) for n in names]
-            if not all(m is not None and _packable(m, dtypes) for m in members):
-                continue
-            if (
-                len({(m.in_features, m.weight.dtype, m.bias is None) for m in members}) == 1  # type: ignore[union-attr]
-            ):
+            linears = [m for m in members if isinstance(m, nn.Linear) and _packable(m, dtypes)]
+            kinds = {(m.in_features, m.weight.dtype, m.bias is None) for m in linears}
+            if len(linears) == len(names) and len(kinds) == 1:
                 found.append((parent, names))
     return found
 
