@@ -65,15 +65,17 @@ def _adapter_rank(path: Path) -> int:
 
 
 def serve_flags(evals: Evals, session: ServerSession) -> list[str]:
-    """The server's flags: the recipe's KV budget, the session's `serve:` settings, a running cap
-    above the ramp, and a context long enough for the ramp's requests and the server check's
-    windows (lm-eval's + 2)."""
+    """The server's flags: the session's `serve:` settings, with a load eval its KV budget and a
+    running cap above the ramp, and a context long enough for the ramp's requests, the chat
+    answers and the server check's windows (lm-eval's + 2)."""
     load = evals.load
-    assert load is not None
-    flags = ["--max-num-seqs", str(load.max_num_seqs), *session.serve.flags()]
-    if load.kv_cache_memory:
-        flags += ["--kv-cache-memory", load.kv_cache_memory]
-    longest = max(load.prompt_len) + load.max_tokens
+    flags = list(session.serve.flags())
+    longest = 1
+    if load is not None:
+        flags += ["--max-num-seqs", str(load.max_num_seqs)]
+        if load.kv_cache_memory:
+            flags += ["--kv-cache-memory", load.kv_cache_memory]
+        longest = max(load.prompt_len) + load.max_tokens
     if session.model_variant is not None and evals.quality:
         longest = max(longest, eval_max_length(evals, session.model_variant) + 2)
     if evals.chat_prompts:
@@ -174,11 +176,12 @@ def _stored(
     """Put the session's stored load results and chat answers into `out`; {variant: "reused"}
     for each load result found (a twin's copy is not reused: it is taken again from its
     twin's result of this run)."""
-    assert evals.load is not None
     status = {}
     for m in session.members:
         path = work_dir / "evals" / m.name / "load.json"
-        found = None if force else stored.lookup(path, load_key(evals.load, m), LoadResult)
+        found = None
+        if evals.load is not None and not force:
+            found = stored.lookup(path, load_key(evals.load, m), LoadResult)
         if found is not None and found.measured_on is None:
             out.load[m.name], status[m.name] = found, "reused"
         answers = _stored_answers(evals, m, work_dir, force)
@@ -203,8 +206,7 @@ def _take_twin(
     """Register `m` as its signature's source when it is the first with it; else, once the
     source has a result and `m` has none, give `m` that result (stored under `m`'s own key,
     `measured_on` set)."""
-    assert evals.load is not None
-    if signature is None:
+    if evals.load is None or signature is None:
         return
     source = twins.setdefault(signature, m.name)
     if m.name in status or source == m.name or source not in out.load:
@@ -246,7 +248,7 @@ def run_session(
     signatures = {m.name: serving_signature(m, session.model_path) for m in session.members}
     for m in session.members:
         _take_twin(evals, m, signatures[m.name], work_dir, status, out, twins)
-    pending = [m for m in session.members if m.name not in status]
+    pending = [m for m in session.members if m.name not in status and evals.load is not None]
     asked = [m for m in session.members if m.name not in out.answers and evals.chat_prompts]
     if not pending and not asked and check is None:
         return status
@@ -318,7 +320,8 @@ def measure_serving(
     out: Measurements,
     progress: Callable[[str], None],
 ) -> None:
-    """Load, chat answers and (on the first model variant's server) the server check."""
+    """Load, chat answers and (on the first model variant's server) the server check: run when
+    the recipe has a load eval or chat prompts (a server answers them either way)."""
     checked = False
     twins: Twins = {}
     for session in server_sessions(results):

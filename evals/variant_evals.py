@@ -235,6 +235,6 @@ def measure_variants(
             progress(f"divergence {r.name}: {'reused' if reused else 'measured'}")
             if reused:
                 out.reused.append(f"{r.name}/divergence")
-    if evals.load is not None:
+    if evals.load is not None or evals.chat_prompts:
         measure_serving(evals, results, work_dir, force, out, progress)
     return out
