@@ -15,7 +15,9 @@ Both systems run once unprofiled first (vLLM compiles, caches warm). Traces are 
 self time = an event's duration less its children's on the same thread. The engine's decode
 attention kernel (a ctypes call, not a torch operator) is timed through a `record_function`
 around it, so it counts as attention, not as time outside operators. vLLM's trace covers its
-worker process (where the model runs); its frontend's time is in its wall time only.
+worker process (where the model runs); its frontend's time is in its wall time only. Under each
+family the output lists its largest operators per system (`TOP`; also in the JSON), so a family's
+gap can be traced to the operators behind it.
 """
 
 from __future__ import annotations
@@ -115,6 +117,27 @@ def by_family(times: dict[str, float], wall_us: float) -> dict[str, float]:
     return dict(out)
 
 
+def top_operators(times: dict[str, float], n: int) -> dict[str, list[tuple[str, float]]]:
+    """Per family, its `n` operators with the most self time: (name, ms), largest first."""
+    ranked: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    for name, us in sorted(times.items(), key=lambda item: -item[1]):
+        if len(ranked[family(name)]) < n:
+            ranked[family(name)].append((name, us / 1000))
+    return dict(ranked)
+
+
+Profile = tuple[float, dict[str, float], dict[str, list[tuple[str, float]]]]
+"""(wall seconds, ms per family, each family's largest operators)."""
+
+TOP = 4
+"""Operators listed per family."""
+
+
+def _profile(events: list[dict[str, Any]], wall_s: float) -> Profile:
+    times = self_times(events)
+    return wall_s, by_family(times, wall_s * 1e6), top_operators(times, TOP)
+
+
 def trace_events(paths: Iterable[Path]) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     for path in paths:
@@ -146,9 +169,7 @@ def traced_decode_attention(engine: LLMEngine) -> None:
     backend.attend_decodes = traced  # on this one instance
 
 
-def profile_engine(
-    model: Path, w: Workload, compile_model: bool = False
-) -> tuple[float, dict[str, float]]:
+def profile_engine(model: Path, w: Workload, compile_model: bool = False) -> Profile:
     if compile_model:  # each of inductor's C++ kernels a profiler event, named by what it fuses
         import torch._inductor.config
 
@@ -162,10 +183,10 @@ def profile_engine(
         run_engine(engine, w)
         wall = time.perf_counter() - start
     prof.export_chrome_trace(str(trace))
-    return wall, by_family(self_times(trace_events([trace])), wall * 1e6)
+    return _profile(trace_events([trace]), wall)
 
 
-def profile_vllm(worker: VllmWorker, w: Workload) -> tuple[float, dict[str, float]]:
+def profile_vllm(worker: VllmWorker, w: Workload) -> Profile:
     assert worker.profile_dir is not None
     worker.generate(w.prompts, w.max_tokens)  # warm
     before = set(worker.profile_dir.rglob("*.json"))
@@ -177,7 +198,7 @@ def profile_vllm(worker: VllmWorker, w: Workload) -> tuple[float, dict[str, floa
         time.sleep(1)
     time.sleep(2)
     workers = [p for p in traces if "rank" in p.name or "worker" in p.name.lower()] or traces
-    return result.seconds, by_family(self_times(trace_events(workers)), result.seconds * 1e6)
+    return _profile(trace_events(workers), result.seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 a, b = ours[1].get(name, 0.0), theirs[1].get(name, 0.0)
                 print(f"   {name:>20}: engine {a:8.1f} ms   vllm {b:8.1f} ms")
+                for system, (_, _, top) in (("engine", ours), ("vllm", theirs)):
+                    for op, ms in top.get(name, []):
+                        print(f"   {'':>20}    {system:>6} {ms:8.1f} ms  {op[:90]}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out} (vLLM traces in {profile_dir})")

@@ -12,6 +12,7 @@ from benchmarks.op_profile import (
     by_family,
     family,
     self_times,
+    top_operators,
     trace_events,
     traced_decode_attention,
 )
@@ -99,3 +100,18 @@ def test_the_engines_decode_kernel_counts_as_attention(
     times = self_times(trace_events([tmp_path / "engine.json"]))
     assert times[KERNEL_EVENT] > 0
     assert by_family(times, wall_us=1e9)["attention"] >= times[KERNEL_EVENT] / 1000
+
+
+def test_top_operators_are_each_familys_largest_in_order() -> None:
+    times = {
+        "aten::mm": 3000.0,
+        "aten::addmm": 5000.0,
+        "mkldnn::_linear_pointwise": 1000.0,
+        "aten::mul": 700.0,
+        "aten::empty": 10.0,
+    }
+    assert top_operators(times, 2) == {
+        "linears": [("aten::addmm", 5.0), ("aten::mm", 3.0)],
+        "elementwise": [("aten::mul", 0.7)],
+        "other operators": [("aten::empty", 0.01)],
+    }
