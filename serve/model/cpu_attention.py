@@ -1,8 +1,10 @@
 """Paged decode attention on the CPU through a small C kernel (`kernels/paged_decode.c`).
 
-Model: decoding sequences read their keys and values from the KV blocks where they sit, one
-(sequence, KV head) pair per work item, every cached byte once per layer; no per-layer gather of
-each sequence's blocks and no padding to the longest sequence (the SDPA backend does both).
+Model: decoding sequences read their keys and values from the KV blocks where they sit, every
+cached byte once per layer: one sequence per work item when there are at least four a thread
+(each cached token's K (then V) row of every KV head read front to back: 1.28x the pair items'
+bandwidth at 64 sequences), else one (sequence, KV head) pair; no per-layer gather of each
+sequence's blocks and no padding to the longest sequence (the SDPA backend does both).
 Prefill chunks still go to SDPA's fused kernel. Float32 and bfloat16 models, their caches in the
 model's dtype or in int8 with a scale per (token, KV head) (`serve/model/kv_cache.py`, read in
 place: codes and scales); scores, softmax and sums in float32.

@@ -35,15 +35,23 @@ def scattered_decode(
     return q, k, v, group
 
 
+LENS = [1, 7, 8, 9, 16, 17, 100, 263]
+FEW = [7, 100, 263]
+"""Fewer than 4 sequences a thread at any thread count: the kernel's (sequence, KV head) items."""
+MANY = LENS * max(5, torch.get_num_threads())
+"""At least 4 a thread: one item per sequence, every head of a cached row read together."""
+DECOMPOSITIONS = pytest.mark.parametrize("lens", [FEW, MANY], ids=["kv-head-items", "seq-items"])
+
+
 @needs_c_compiler
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(8, 4, 64, 8), (4, 4, 32, 16), (9, 3, 80, 8), (16, 1, 128, 5)],
 )
+@DECOMPOSITIONS
 def test_decode_kernel_equals_the_reference(
-    heads: int, kv_heads: int, head_dim: int, block_size: int
+    heads: int, kv_heads: int, head_dim: int, block_size: int, lens: list[int]
 ) -> None:
-    lens = [1, 7, 8, 9, 16, 17, 100, 263]
     q, k, v, group = scattered_decode(lens, heads, kv_heads, head_dim, block_size, torch.float32)
     meta = AttentionMetadata([(k, v)], torch.empty(0), [], [group], ReferenceBackend())
     expected = ReferenceBackend().attend(q, k, v, meta, head_dim**-0.5)
@@ -53,8 +61,8 @@ def test_decode_kernel_equals_the_reference(
 
 @needs_c_compiler
 @pytest.mark.parametrize("window", [1, 7, 8, 50, 1000])
-def test_sliding_window_decode_kernel_equals_the_reference(window: int) -> None:
-    lens = [1, 7, 8, 9, 16, 17, 100, 263]
+@DECOMPOSITIONS
+def test_sliding_window_decode_kernel_equals_the_reference(window: int, lens: list[int]) -> None:
     q, k, v, group = scattered_decode(lens, 4, 1, 256, 8, torch.float32)
     meta = AttentionMetadata([(k, v)], torch.empty(0), [], [group], ReferenceBackend())
     expected = ReferenceBackend().attend(q, k, v, meta, 0.0625, window)
@@ -125,7 +133,9 @@ def test_decode_rows_anywhere_in_the_step_equal_the_reference(layout: str, backe
 def test_bfloat16_decode_kernel_is_float32_math_rounded_once() -> None:
     """bf16 inputs, float32 accumulation, one rounding of the output: within bf16's precision
     of the reference computed in float32 from the same bf16 inputs."""
-    q, k, v, group = scattered_decode([3, 50, 129], 8, 4, 64, 8, torch.bfloat16)
+    q, k, v, group = scattered_decode(
+        [3, 50, 129] * 3 * torch.get_num_threads(), 8, 4, 64, 8, torch.bfloat16
+    )
     meta = AttentionMetadata([(k, v)], torch.empty(0), [], [group], ReferenceBackend())
     expected = ReferenceBackend().attend(q, k, v, meta, 0.125)
     got = cpu_attention.PagedCPUBackend().attend(q, k, v, meta, 0.125)

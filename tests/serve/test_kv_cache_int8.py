@@ -17,7 +17,7 @@ from serve.model.attention import AttentionMetadata, ReferenceBackend, SDPABacke
 from serve.model.kv_cache import Int8KV, quantize_int8, write_slots
 from serve.model.step_inputs import decode_groups
 from tests.serve.conftest import PAGED_CPU, Case, needs_c_compiler
-from tests.serve.test_cpu_attention import scattered_decode
+from tests.serve.test_cpu_attention import DECOMPOSITIONS, scattered_decode
 from tests.serve.test_engine_exact import assert_equal, run
 
 
@@ -59,6 +59,7 @@ def test_int8_cache_writes_slots_and_reads_whole_blocks_dequantized() -> None:
     [(8, 4, 64, 8, None), (4, 4, 32, 16, None), (9, 3, 80, 8, None), (16, 1, 128, 5, 50)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@DECOMPOSITIONS
 def test_int8_decode_kernel_equals_the_reference_on_the_same_codes(
     heads: int,
     kv_heads: int,
@@ -66,9 +67,9 @@ def test_int8_decode_kernel_equals_the_reference_on_the_same_codes(
     block_size: int,
     window: int | None,
     dtype: torch.dtype,
+    lens: list[int],
 ) -> None:
     """The kernel reads codes and scales in place; the reference dequantizes the same codes."""
-    lens = [1, 7, 8, 9, 16, 17, 100, 263]
     q, k, v, group = scattered_decode(lens, heads, kv_heads, head_dim, block_size, dtype)
     k8, v8 = as_int8(k.float(), dtype), as_int8(v.float(), dtype)
     meta = AttentionMetadata([(k8, v8)], torch.empty(0), [], [group], ReferenceBackend())

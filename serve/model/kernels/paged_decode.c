@@ -9,8 +9,9 @@
  *   window        0, or W: the query at position p sees keys at p - W + 1 .. p only
  *                 (sliding-window layers); keys before that are not read
  * Query head h reads KV head h / (H / KVH) (grouped-query attention). Work items are
- * (sequence, KV head) pairs; each reads its keys once for the scores of its G query heads,
- * then its values once, so every cached byte is read once per layer.
+ * sequences (with at least SEQ_ITEMS_PER_THREAD a thread) or (sequence, KV head) pairs; each
+ * reads its keys once for the scores of its query heads, then its values once, so every cached
+ * byte is read once per layer.
  * T is float or uint16_t (bfloat16 bits); scores, softmax and sums are float32.
  * int8 caches (the `_i8_` functions): k and v hold int8 codes in the same layout, and
  *   k_scales, v_scales [num_blocks, block_size, KVH] float: a key is its codes x its scale, so
@@ -112,26 +113,115 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
         return 0;                                                                              \
     }
 
-/* The exported entry: work items over (sequence, KV head), `D` made a literal for 64 and 128.
- * The float caches' functions keep their scale-free signature. */
-#define DEFINE_PAGED_DECODE(NAME, ITEM, T, KT, SCALE_PARAMS, KS, VS)                           \
+/* One sequence, every head: each cached token's keys (then values) for all KV heads are one
+ * contiguous row of KVH x D, read front to back, so the cache streams in order; the (sequence,
+ * KV head) items above read D of every KVH x D and skip the rest. Scratch: scores [H, len], the
+ * scaled queries and the sums [H, D]. */
+#define DEFINE_SEQ_ITEM(NAME, T, KT, LOAD, STORE, KLOAD, SCALED)                               \
+    static inline __attribute__((always_inline)) int NAME(                                     \
+        const T *q, const KT *k, const KT *v, const float *ks, const float *vs,                 \
+        const int64_t *table, int64_t first, int64_t end, T *out, int64_t KVH, int64_t G,      \
+        int64_t block_size, float scale, const int64_t D) {                                    \
+        const int64_t H = KVH * G, len = end - first;                                          \
+        float *scores = malloc(sizeof(float) * (size_t)(H * (len > 0 ? len : 1)));             \
+        float *qf = malloc(sizeof(float) * (size_t)(2 * H * D + 2 * H));                       \
+        if (!scores || !qf) {                                                                  \
+            free(scores);                                                                      \
+            free(qf);                                                                          \
+            return 2;                                                                          \
+        }                                                                                      \
+        float *acc = qf + H * D, *maxs = acc + H * D, *sums = maxs + H;                        \
+        for (int64_t h = 0; h < H; h++) {                                                      \
+            for (int64_t d = 0; d < D; d++) qf[h * D + d] = LOAD(q[h * D + d]) * scale;        \
+            for (int64_t d = 0; d < D; d++) acc[h * D + d] = 0.0f;                             \
+            maxs[h] = -FLT_MAX;                                                                \
+        }                                                                                      \
+        for (int64_t t0 = first - first % block_size; t0 < end; t0 += block_size) {            \
+            const int64_t slot0 = table[t0 / block_size] * block_size;                         \
+            const int64_t n = end - t0 < block_size ? end - t0 : block_size;                   \
+            for (int64_t i = t0 < first ? first - t0 : 0; i < n; i++) {                        \
+                const KT *row = k + (slot0 + i) * KVH * D;                                     \
+                const int64_t t = t0 + i - first;                                              \
+                for (int64_t kvh = 0; kvh < KVH; kvh++) {                                      \
+                    const float s = SCALED ? ks[(slot0 + i) * KVH + kvh] : 1.0f;               \
+                    for (int64_t g = 0; g < G; g++) {                                          \
+                        const int64_t h = kvh * G + g;                                         \
+                        float dot = 0.0f;                                                      \
+                        for (int64_t d = 0; d < D; d++) dot += qf[h * D + d] * KLOAD(row[kvh * D + d]); \
+                        dot *= s;                                                              \
+                        scores[h * len + t] = dot;                                             \
+                        maxs[h] = dot > maxs[h] ? dot : maxs[h];                               \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int64_t h = 0; h < H; h++) {                                                      \
+            float sum = 0.0f;                                                                  \
+            for (int64_t t = 0; t < len; t++) {                                                \
+                const float p = expf(scores[h * len + t] - maxs[h]);                           \
+                scores[h * len + t] = p;                                                       \
+                sum += p;                                                                      \
+            }                                                                                  \
+            sums[h] = sum;                                                                     \
+        }                                                                                      \
+        for (int64_t t0 = first - first % block_size; t0 < end; t0 += block_size) {            \
+            const int64_t slot0 = table[t0 / block_size] * block_size;                         \
+            const int64_t n = end - t0 < block_size ? end - t0 : block_size;                   \
+            for (int64_t i = t0 < first ? first - t0 : 0; i < n; i++) {                        \
+                const KT *row = v + (slot0 + i) * KVH * D;                                     \
+                const int64_t t = t0 + i - first;                                              \
+                for (int64_t kvh = 0; kvh < KVH; kvh++) {                                      \
+                    const float s = SCALED ? vs[(slot0 + i) * KVH + kvh] : 1.0f;               \
+                    for (int64_t g = 0; g < G; g++) {                                          \
+                        const int64_t h = kvh * G + g;                                         \
+                        const float p = scores[h * len + t] * s;                               \
+                        for (int64_t d = 0; d < D; d++) acc[h * D + d] += p * KLOAD(row[kvh * D + d]); \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int64_t h = 0; h < H; h++) {                                                      \
+            const float inv = sums[h] > 0.0f ? 1.0f / sums[h] : 0.0f;                          \
+            for (int64_t d = 0; d < D; d++) out[h * D + d] = STORE(acc[h * D + d] * inv);      \
+        }                                                                                      \
+        free(scores);                                                                          \
+        free(qf);                                                                              \
+        return 0;                                                                              \
+    }
+
+/* The exported entry, `D` made a literal for 64 and 128. Work items are sequences when there
+ * are at least SEQ_ITEMS_PER_THREAD of them a thread (each streams its rows in order), else
+ * (sequence, KV head) pairs, so that a few long sequences still spread over every thread. */
+#define SEQ_ITEMS_PER_THREAD 4
+#define DEFINE_PAGED_DECODE(NAME, ITEM, SEQ_ITEM, T, KT, SCALE_PARAMS, KS, VS)                 \
     int NAME(const T *q, const KT *k, const KT *v, SCALE_PARAMS const int64_t *block_tables,   \
              int64_t table_width, const int64_t *seq_lens, T *out, int64_t S, int64_t H,       \
              int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window,          \
              int num_threads) {                                                                \
         if (H % KVH || H / KVH > MAX_GROUP || D > MAX_HEAD_DIM) return 1;                      \
         const int64_t G = H / KVH;                                                             \
+        const int64_t per_seq = S >= (int64_t)SEQ_ITEMS_PER_THREAD * num_threads;              \
+        const int64_t items = per_seq ? S : S * KVH;                                           \
         int rc = 0;                                                                            \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")              \
-        for (int64_t item = 0; item < S * KVH; item++) {                                       \
-            const int64_t s = item / KVH, kvh = item % KVH;                                    \
+        for (int64_t item = 0; item < items; item++) {                                         \
+            const int64_t s = per_seq ? item : item / KVH, kvh = per_seq ? 0 : item % KVH;     \
             const T *qs = q + s * H * D;                                                       \
             T *os = out + s * H * D;                                                           \
             const int64_t *table = block_tables + s * table_width;                             \
             const int64_t end = seq_lens[s];                                                   \
             const int64_t first = window > 0 && end > window ? end - window : 0;               \
             int r;                                                                             \
-            if (D == 64)                                                                       \
+            if (per_seq && D == 64)                                                            \
+                r = SEQ_ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, block_size,      \
+                             scale, 64);                                                       \
+            else if (per_seq && D == 128)                                                      \
+                r = SEQ_ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, block_size,      \
+                             scale, 128);                                                      \
+            else if (per_seq)                                                                  \
+                r = SEQ_ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, block_size,      \
+                             scale, D);                                                        \
+            else if (D == 64)                                                                  \
                 r = ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, kvh, block_size,     \
                          scale, 64);                                                           \
             else if (D == 128)                                                                 \
@@ -152,8 +242,14 @@ DEFINE_ITEM(item_f32, float, float, F32_LOAD, F32_STORE, F32_LOAD, 0)
 DEFINE_ITEM(item_bf16, uint16_t, uint16_t, bf16_to_f32, f32_to_bf16, bf16_to_f32, 0)
 DEFINE_ITEM(item_i8_f32, float, int8_t, F32_LOAD, F32_STORE, I8_LOAD, 1)
 DEFINE_ITEM(item_i8_bf16, uint16_t, int8_t, bf16_to_f32, f32_to_bf16, I8_LOAD, 1)
-DEFINE_PAGED_DECODE(paged_decode_f32, item_f32, float, float, NO_SCALES, NULL, NULL)
-DEFINE_PAGED_DECODE(paged_decode_bf16, item_bf16, uint16_t, uint16_t, NO_SCALES, NULL, NULL)
-DEFINE_PAGED_DECODE(paged_decode_i8_f32, item_i8_f32, float, int8_t, SCALES, k_scales, v_scales)
-DEFINE_PAGED_DECODE(paged_decode_i8_bf16, item_i8_bf16, uint16_t, int8_t, SCALES, k_scales,
+DEFINE_SEQ_ITEM(seq_f32, float, float, F32_LOAD, F32_STORE, F32_LOAD, 0)
+DEFINE_SEQ_ITEM(seq_bf16, uint16_t, uint16_t, bf16_to_f32, f32_to_bf16, bf16_to_f32, 0)
+DEFINE_SEQ_ITEM(seq_i8_f32, float, int8_t, F32_LOAD, F32_STORE, I8_LOAD, 1)
+DEFINE_SEQ_ITEM(seq_i8_bf16, uint16_t, int8_t, bf16_to_f32, f32_to_bf16, I8_LOAD, 1)
+DEFINE_PAGED_DECODE(paged_decode_f32, item_f32, seq_f32, float, float, NO_SCALES, NULL, NULL)
+DEFINE_PAGED_DECODE(paged_decode_bf16, item_bf16, seq_bf16, uint16_t, uint16_t, NO_SCALES, NULL,
+                    NULL)
+DEFINE_PAGED_DECODE(paged_decode_i8_f32, item_i8_f32, seq_i8_f32, float, int8_t, SCALES, k_scales,
                     v_scales)
+DEFINE_PAGED_DECODE(paged_decode_i8_bf16, item_i8_bf16, seq_i8_bf16, uint16_t, int8_t, SCALES,
+                    k_scales, v_scales)
