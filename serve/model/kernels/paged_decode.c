@@ -26,6 +26,7 @@
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 512
+#define STACK_FLOATS 4096 /* an item's queries and sums on the stack up to this size (16 KB) */
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
@@ -47,145 +48,90 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 #define I8_LOAD(x) ((float)(x))
 
-/* One (sequence, KV head) work item; `D` is a literal at the hot call sites, so the head-dim
- * loops are unrolled and the accumulators stay in registers. KT is the cache's element type,
+/* In place: each of the n rows of `len` scores becomes exp(score - its row's max); sums[r] is
+ * row r's total (the softmax's denominator). */
+static inline void exp_rows(float *scores, int64_t n, int64_t len, const float *maxs, float *sums) {
+    for (int64_t r = 0; r < n; r++) {
+        float sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) {
+            const float p = expf(scores[r * len + t] - maxs[r]);
+            scores[r * len + t] = p;
+            sum += p;
+        }
+        sums[r] = sum;
+    }
+}
+
+/* A sequence's cached tokens at positions first .. end - 1, in order: `slot` is the token's
+ * cache slot, `t` its index from first. */
+#define FOR_EACH_TOKEN(table, first, end, block_size, ...)                                     \
+    for (int64_t t0 = first - first % block_size; t0 < end; t0 += block_size) {                \
+        const int64_t slot0 = table[t0 / block_size] * block_size;                             \
+        const int64_t n = end - t0 < block_size ? end - t0 : block_size;                       \
+        for (int64_t i = t0 < first ? first - t0 : 0; i < n; i++) {                            \
+            const int64_t slot = slot0 + i, t = t0 + i - first;                                \
+            __VA_ARGS__                                                                        \
+        }                                                                                      \
+    }
+
+/* One work item: KV heads kv0 .. kv1 - 1 of one sequence and their query heads. A cached token's
+ * keys (then values) for every KV head are one row of KVH x D, read front to back: an item of
+ * every KV head streams the cache in order, an item of one reads D of each row. `D` is a literal
+ * at the hot call sites, so the head-dim loops are unrolled. KT is the cache's element type,
  * KLOAD its conversion to float; SCALED (a literal) says whether ks / vs hold a scale per
- * (slot, KV head), so the float caches' items compile without them. */
+ * (slot, KV head), so the float caches' items compile without them. Scratch: scores [heads,
+ * len] (heap), the scaled queries and the sums [heads, D] (stack, heap when larger). */
 #define DEFINE_ITEM(NAME, T, KT, LOAD, STORE, KLOAD, SCALED)                                   \
     static inline __attribute__((always_inline)) int NAME(                                     \
         const T *q, const KT *k, const KT *v, const float *ks, const float *vs,                 \
         const int64_t *table, int64_t first, int64_t end, T *out, int64_t KVH, int64_t G,      \
-        int64_t kvh, int64_t block_size, float scale, const int64_t D) {                       \
-        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                       \
-        float maxs[MAX_GROUP], sums[MAX_GROUP];                                                \
-        const int64_t len = end - first; /* keys first .. end - 1; scores indexed from 0 */   \
-        float *scores = malloc(sizeof(float) * (size_t)(G * (len > 0 ? len : 1)));             \
-        if (!scores) return 2;                                                                 \
-        for (int64_t g = 0; g < G; g++) {                                                      \
-            const T *qh = q + (kvh * G + g) * D;                                               \
-            for (int64_t d = 0; d < D; d++) qf[g][d] = LOAD(qh[d]) * scale;                    \
-            for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f;                                  \
-            maxs[g] = -FLT_MAX;                                                                \
-            sums[g] = 0.0f;                                                                    \
-        }                                                                                      \
-        for (int64_t t0 = first - first % block_size; t0 < end; t0 += block_size) {            \
-            const int64_t slot0 = table[t0 / block_size] * block_size;                         \
-            const KT *kb = k + (slot0 * KVH + kvh) * D;                                        \
-            const int64_t n = end - t0 < block_size ? end - t0 : block_size;                   \
-            for (int64_t i = t0 < first ? first - t0 : 0; i < n; i++) {                        \
-                const float s = SCALED ? ks[(slot0 + i) * KVH + kvh] : 1.0f;                   \
-                for (int64_t g = 0; g < G; g++) {                                              \
-                    float dot = 0.0f;                                                          \
-                    for (int64_t d = 0; d < D; d++) dot += qf[g][d] * KLOAD(kb[i * KVH * D + d]); \
-                    dot *= s;                                                                  \
-                    scores[g * len + t0 + i - first] = dot;                                    \
-                    maxs[g] = dot > maxs[g] ? dot : maxs[g];                                   \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
-        for (int64_t g = 0; g < G; g++) {                                                      \
-            float sum = 0.0f;                                                                  \
-            for (int64_t t = 0; t < len; t++) {                                                \
-                const float p = expf(scores[g * len + t] - maxs[g]);                           \
-                scores[g * len + t] = p;                                                       \
-                sum += p;                                                                      \
-            }                                                                                  \
-            sums[g] = sum;                                                                     \
-        }                                                                                      \
-        for (int64_t t0 = first - first % block_size; t0 < end; t0 += block_size) {            \
-            const int64_t slot0 = table[t0 / block_size] * block_size;                         \
-            const KT *vb = v + (slot0 * KVH + kvh) * D;                                        \
-            const int64_t n = end - t0 < block_size ? end - t0 : block_size;                   \
-            for (int64_t i = t0 < first ? first - t0 : 0; i < n; i++) {                        \
-                const float s = SCALED ? vs[(slot0 + i) * KVH + kvh] : 1.0f;                   \
-                for (int64_t g = 0; g < G; g++) {                                              \
-                    const float p = scores[g * len + t0 + i - first] * s;                      \
-                    for (int64_t d = 0; d < D; d++) acc[g][d] += p * KLOAD(vb[i * KVH * D + d]); \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
-        for (int64_t g = 0; g < G; g++) {                                                      \
-            T *oh = out + (kvh * G + g) * D;                                                   \
-            const float inv = sums[g] > 0.0f ? 1.0f / sums[g] : 0.0f;                          \
-            for (int64_t d = 0; d < D; d++) oh[d] = STORE(acc[g][d] * inv);                    \
-        }                                                                                      \
-        free(scores);                                                                          \
-        return 0;                                                                              \
-    }
-
-/* One sequence, every head: each cached token's keys (then values) for all KV heads are one
- * contiguous row of KVH x D, read front to back, so the cache streams in order; the (sequence,
- * KV head) items above read D of every KVH x D and skip the rest. Scratch: scores [H, len], the
- * scaled queries and the sums [H, D]. */
-#define DEFINE_SEQ_ITEM(NAME, T, KT, LOAD, STORE, KLOAD, SCALED)                               \
-    static inline __attribute__((always_inline)) int NAME(                                     \
-        const T *q, const KT *k, const KT *v, const float *ks, const float *vs,                 \
-        const int64_t *table, int64_t first, int64_t end, T *out, int64_t KVH, int64_t G,      \
-        int64_t block_size, float scale, const int64_t D) {                                    \
-        const int64_t H = KVH * G, len = end - first;                                          \
-        float *scores = malloc(sizeof(float) * (size_t)(H * (len > 0 ? len : 1)));             \
-        float *qf = malloc(sizeof(float) * (size_t)(2 * H * D + 2 * H));                       \
+        int64_t kv0, int64_t kv1, int64_t block_size, float scale, const int64_t D) {          \
+        const int64_t h0 = kv0 * G, heads = (kv1 - kv0) * G, len = end - first;               \
+        float small[STACK_FLOATS];                                                             \
+        const size_t need = (size_t)(2 * heads * D + 2 * heads);                               \
+        float *scores = malloc(sizeof(float) * (size_t)(heads * (len > 0 ? len : 1)));         \
+        float *qf = need <= STACK_FLOATS ? small : malloc(sizeof(float) * need);               \
         if (!scores || !qf) {                                                                  \
             free(scores);                                                                      \
-            free(qf);                                                                          \
+            if (qf != small) free(qf);                                                         \
             return 2;                                                                          \
         }                                                                                      \
-        float *acc = qf + H * D, *maxs = acc + H * D, *sums = maxs + H;                        \
-        for (int64_t h = 0; h < H; h++) {                                                      \
-            for (int64_t d = 0; d < D; d++) qf[h * D + d] = LOAD(q[h * D + d]) * scale;        \
+        float *acc = qf + heads * D, *maxs = acc + heads * D, *sums = maxs + heads;            \
+        for (int64_t h = 0; h < heads; h++) {                                                  \
+            for (int64_t d = 0; d < D; d++) qf[h * D + d] = LOAD(q[(h0 + h) * D + d]) * scale; \
             for (int64_t d = 0; d < D; d++) acc[h * D + d] = 0.0f;                             \
             maxs[h] = -FLT_MAX;                                                                \
         }                                                                                      \
-        for (int64_t t0 = first - first % block_size; t0 < end; t0 += block_size) {            \
-            const int64_t slot0 = table[t0 / block_size] * block_size;                         \
-            const int64_t n = end - t0 < block_size ? end - t0 : block_size;                   \
-            for (int64_t i = t0 < first ? first - t0 : 0; i < n; i++) {                        \
-                const KT *row = k + (slot0 + i) * KVH * D;                                     \
-                const int64_t t = t0 + i - first;                                              \
-                for (int64_t kvh = 0; kvh < KVH; kvh++) {                                      \
-                    const float s = SCALED ? ks[(slot0 + i) * KVH + kvh] : 1.0f;               \
-                    for (int64_t g = 0; g < G; g++) {                                          \
-                        const int64_t h = kvh * G + g;                                         \
-                        float dot = 0.0f;                                                      \
-                        for (int64_t d = 0; d < D; d++) dot += qf[h * D + d] * KLOAD(row[kvh * D + d]); \
-                        dot *= s;                                                              \
-                        scores[h * len + t] = dot;                                             \
-                        maxs[h] = dot > maxs[h] ? dot : maxs[h];                               \
-                    }                                                                          \
+        FOR_EACH_TOKEN(table, first, end, block_size, {                                        \
+            const KT *row = k + slot * KVH * D;                                                \
+            for (int64_t kvh = kv0; kvh < kv1; kvh++) {                                        \
+                const float s = SCALED ? ks[slot * KVH + kvh] : 1.0f;                          \
+                for (int64_t h = (kvh - kv0) * G; h < (kvh - kv0 + 1) * G; h++) {              \
+                    float dot = 0.0f;                                                          \
+                    for (int64_t d = 0; d < D; d++) dot += qf[h * D + d] * KLOAD(row[kvh * D + d]); \
+                    dot *= s;                                                                  \
+                    scores[h * len + t] = dot;                                                 \
+                    maxs[h] = dot > maxs[h] ? dot : maxs[h];                                   \
                 }                                                                              \
             }                                                                                  \
-        }                                                                                      \
-        for (int64_t h = 0; h < H; h++) {                                                      \
-            float sum = 0.0f;                                                                  \
-            for (int64_t t = 0; t < len; t++) {                                                \
-                const float p = expf(scores[h * len + t] - maxs[h]);                           \
-                scores[h * len + t] = p;                                                       \
-                sum += p;                                                                      \
-            }                                                                                  \
-            sums[h] = sum;                                                                     \
-        }                                                                                      \
-        for (int64_t t0 = first - first % block_size; t0 < end; t0 += block_size) {            \
-            const int64_t slot0 = table[t0 / block_size] * block_size;                         \
-            const int64_t n = end - t0 < block_size ? end - t0 : block_size;                   \
-            for (int64_t i = t0 < first ? first - t0 : 0; i < n; i++) {                        \
-                const KT *row = v + (slot0 + i) * KVH * D;                                     \
-                const int64_t t = t0 + i - first;                                              \
-                for (int64_t kvh = 0; kvh < KVH; kvh++) {                                      \
-                    const float s = SCALED ? vs[(slot0 + i) * KVH + kvh] : 1.0f;               \
-                    for (int64_t g = 0; g < G; g++) {                                          \
-                        const int64_t h = kvh * G + g;                                         \
-                        const float p = scores[h * len + t] * s;                               \
-                        for (int64_t d = 0; d < D; d++) acc[h * D + d] += p * KLOAD(row[kvh * D + d]); \
-                    }                                                                          \
+        })                                                                                     \
+        exp_rows(scores, heads, len, maxs, sums);                                              \
+        FOR_EACH_TOKEN(table, first, end, block_size, {                                        \
+            const KT *row = v + slot * KVH * D;                                                \
+            for (int64_t kvh = kv0; kvh < kv1; kvh++) {                                        \
+                const float s = SCALED ? vs[slot * KVH + kvh] : 1.0f;                          \
+                for (int64_t h = (kvh - kv0) * G; h < (kvh - kv0 + 1) * G; h++) {              \
+                    const float p = scores[h * len + t] * s;                                   \
+                    for (int64_t d = 0; d < D; d++) acc[h * D + d] += p * KLOAD(row[kvh * D + d]); \
                 }                                                                              \
             }                                                                                  \
-        }                                                                                      \
-        for (int64_t h = 0; h < H; h++) {                                                      \
+        })                                                                                     \
+        for (int64_t h = 0; h < heads; h++) {                                                  \
             const float inv = sums[h] > 0.0f ? 1.0f / sums[h] : 0.0f;                          \
-            for (int64_t d = 0; d < D; d++) out[h * D + d] = STORE(acc[h * D + d] * inv);      \
+            for (int64_t d = 0; d < D; d++) out[(h0 + h) * D + d] = STORE(acc[h * D + d] * inv); \
         }                                                                                      \
         free(scores);                                                                          \
-        free(qf);                                                                              \
+        if (qf != small) free(qf);                                                             \
         return 0;                                                                              \
     }
 
@@ -193,7 +139,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
  * are at least SEQ_ITEMS_PER_THREAD of them a thread (each streams its rows in order), else
  * (sequence, KV head) pairs, so that a few long sequences still spread over every thread. */
 #define SEQ_ITEMS_PER_THREAD 4
-#define DEFINE_PAGED_DECODE(NAME, ITEM, SEQ_ITEM, T, KT, SCALE_PARAMS, KS, VS)                 \
+#define DEFINE_PAGED_DECODE(NAME, ITEM, T, KT, SCALE_PARAMS, KS, VS)                           \
     int NAME(const T *q, const KT *k, const KT *v, SCALE_PARAMS const int64_t *block_tables,   \
              int64_t table_width, const int64_t *seq_lens, T *out, int64_t S, int64_t H,       \
              int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window,          \
@@ -205,31 +151,32 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
         int rc = 0;                                                                            \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")              \
         for (int64_t item = 0; item < items; item++) {                                         \
-            const int64_t s = per_seq ? item : item / KVH, kvh = per_seq ? 0 : item % KVH;     \
+            const int64_t s = per_seq ? item : item / KVH, kv0 = per_seq ? 0 : item % KVH;     \
             const T *qs = q + s * H * D;                                                       \
             T *os = out + s * H * D;                                                           \
             const int64_t *table = block_tables + s * table_width;                             \
             const int64_t end = seq_lens[s];                                                   \
             const int64_t first = window > 0 && end > window ? end - window : 0;               \
+            /* each call site inlined with its head range and D known */                       \
             int r;                                                                             \
             if (per_seq && D == 64)                                                            \
-                r = SEQ_ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, block_size,      \
-                             scale, 64);                                                       \
-            else if (per_seq && D == 128)                                                      \
-                r = SEQ_ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, block_size,      \
-                             scale, 128);                                                      \
-            else if (per_seq)                                                                  \
-                r = SEQ_ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, block_size,      \
-                             scale, D);                                                        \
-            else if (D == 64)                                                                  \
-                r = ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, kvh, block_size,     \
+                r = ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, 0, KVH, block_size,  \
                          scale, 64);                                                           \
-            else if (D == 128)                                                                 \
-                r = ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, kvh, block_size,     \
+            else if (per_seq && D == 128)                                                      \
+                r = ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, 0, KVH, block_size,  \
                          scale, 128);                                                          \
-            else                                                                               \
-                r = ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, kvh, block_size,     \
+            else if (per_seq)                                                                  \
+                r = ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, 0, KVH, block_size,  \
                          scale, D);                                                            \
+            else if (D == 64)                                                                  \
+                r = ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, kv0, kv0 + 1,        \
+                         block_size, scale, 64);                                               \
+            else if (D == 128)                                                                 \
+                r = ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, kv0, kv0 + 1,        \
+                         block_size, scale, 128);                                              \
+            else                                                                               \
+                r = ITEM(qs, k, v, KS, VS, table, first, end, os, KVH, G, kv0, kv0 + 1,        \
+                         block_size, scale, D);                                                \
             if (r) rc = r;                                                                     \
         }                                                                                      \
         return rc;                                                                             \
@@ -242,14 +189,8 @@ DEFINE_ITEM(item_f32, float, float, F32_LOAD, F32_STORE, F32_LOAD, 0)
 DEFINE_ITEM(item_bf16, uint16_t, uint16_t, bf16_to_f32, f32_to_bf16, bf16_to_f32, 0)
 DEFINE_ITEM(item_i8_f32, float, int8_t, F32_LOAD, F32_STORE, I8_LOAD, 1)
 DEFINE_ITEM(item_i8_bf16, uint16_t, int8_t, bf16_to_f32, f32_to_bf16, I8_LOAD, 1)
-DEFINE_SEQ_ITEM(seq_f32, float, float, F32_LOAD, F32_STORE, F32_LOAD, 0)
-DEFINE_SEQ_ITEM(seq_bf16, uint16_t, uint16_t, bf16_to_f32, f32_to_bf16, bf16_to_f32, 0)
-DEFINE_SEQ_ITEM(seq_i8_f32, float, int8_t, F32_LOAD, F32_STORE, I8_LOAD, 1)
-DEFINE_SEQ_ITEM(seq_i8_bf16, uint16_t, int8_t, bf16_to_f32, f32_to_bf16, I8_LOAD, 1)
-DEFINE_PAGED_DECODE(paged_decode_f32, item_f32, seq_f32, float, float, NO_SCALES, NULL, NULL)
-DEFINE_PAGED_DECODE(paged_decode_bf16, item_bf16, seq_bf16, uint16_t, uint16_t, NO_SCALES, NULL,
-                    NULL)
-DEFINE_PAGED_DECODE(paged_decode_i8_f32, item_i8_f32, seq_i8_f32, float, int8_t, SCALES, k_scales,
+DEFINE_PAGED_DECODE(paged_decode_f32, item_f32, float, float, NO_SCALES, NULL, NULL)
+DEFINE_PAGED_DECODE(paged_decode_bf16, item_bf16, uint16_t, uint16_t, NO_SCALES, NULL, NULL)
+DEFINE_PAGED_DECODE(paged_decode_i8_f32, item_i8_f32, float, int8_t, SCALES, k_scales, v_scales)
+DEFINE_PAGED_DECODE(paged_decode_i8_bf16, item_i8_bf16, uint16_t, int8_t, SCALES, k_scales,
                     v_scales)
-DEFINE_PAGED_DECODE(paged_decode_i8_bf16, item_i8_bf16, seq_i8_bf16, uint16_t, int8_t, SCALES,
-                    k_scales, v_scales)
