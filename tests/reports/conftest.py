@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from catalog import ensure_demo_model
 from workbench import RunResult, run
 
 RECIPE = Path(__file__).with_name("small.yaml")
@@ -58,3 +61,19 @@ def small_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     root = tmp_path_factory.mktemp("small-run")
     shutil.copy(RECIPE, root / "recipe.yaml")
     return Run(root, run_in(root))
+
+
+def greedy_chat_answer(prompt: str, max_tokens: int) -> str:
+    """What the tiny demo model answers `prompt` greedily through `generate` on its chat
+    template: the answer a server must give."""
+    path = ensure_demo_model("demo-tiny")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    ids: Any = tok.apply_chat_template(  # return_dict: a mapping of tensors
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)
+    return str(tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))

@@ -23,7 +23,7 @@ from reports.metrics import (
     stderr_key,
 )
 from reports.render import cell
-from tests.reports.conftest import Run, run_in, workbench_run
+from tests.reports.conftest import Run, greedy_chat_answer, run_in, workbench_run
 
 TASKS = ["corpus_ppl", "corpus_cloze", "shift_ppl", "shop_colours"]
 VARIANTS = ["base", "int8", "shop-lora"]
@@ -381,18 +381,7 @@ def test_divergence_and_chat_answers_of_every_variant(small_run: Run) -> None:
     assert sorted(answers) == sorted(VARIANTS)
     assert [a["prompt"] for a in answers["base"]] == ["Return the", "hi"]
     # the base's answer over HTTP equals greedy generate on the chat template
-    path = ensure_demo_model("demo-tiny")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    ids = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )
-    out = model.generate(**ids, max_new_tokens=6, do_sample=False)
-    expected = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-    assert answers["base"][1]["answer"] == expected
+    assert answers["base"][1]["answer"] == greedy_chat_answer("hi", 6)
     md = (small_run.report_dir / "report.md").read_text()
     assert "### hi" in md and "KL vs base (corpus, nats)" in md
     page = (small_run.report_dir / "index.html").read_text()
