@@ -245,10 +245,13 @@ def run_session(
 
     twins = {} if twins is None else twins
     status = _stored(evals, session, work_dir, force, out)
-    signatures = {m.name: serving_signature(m, session.model_path) for m in session.members}
-    for m in session.members:
-        _take_twin(evals, m, signatures[m.name], work_dir, status, out, twins)
-    pending = [m for m in session.members if m.name not in status and evals.load is not None]
+    pending: list[VariantResult] = []  # load sweeps still to measure: none without a load eval
+    signatures: dict[str, str | None] = {}
+    if evals.load is not None:
+        signatures = {m.name: serving_signature(m, session.model_path) for m in session.members}
+        for m in session.members:
+            _take_twin(evals, m, signatures[m.name], work_dir, status, out, twins)
+        pending = [m for m in session.members if m.name not in status]
     asked = [m for m in session.members if m.name not in out.answers and evals.chat_prompts]
     if not pending and not asked and check is None:
         return status
