@@ -26,7 +26,7 @@
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 512
-#define STACK_FLOATS 4096 /* an item's queries and sums on the stack up to this size (16 KB) */
+#define STACK_FLOATS 4096 /* an item's small scratch on the stack up to this size (16 KB) */
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
@@ -80,7 +80,8 @@ static inline void exp_rows(float *scores, int64_t n, int64_t len, const float *
  * at the hot call sites, so the head-dim loops are unrolled. KT is the cache's element type,
  * KLOAD its conversion to float; SCALED (a literal) says whether ks / vs hold a scale per
  * (slot, KV head), so the float caches' items compile without them. Scratch: scores [heads,
- * len] (heap), the scaled queries and the sums [heads, D] (stack, heap when larger). */
+ * len] (heap); the scaled queries and the value accumulators [heads, D], the score maxima and
+ * the softmax denominators [heads] (stack, heap when larger). */
 #define DEFINE_ITEM(NAME, T, KT, LOAD, STORE, KLOAD, SCALED)                                   \
     static inline __attribute__((always_inline)) int NAME(                                     \
         const T *q, const KT *k, const KT *v, const float *ks, const float *vs,                 \
