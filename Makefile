@@ -20,7 +20,7 @@ GEMMA_STAMP := $(VENV)/.gemma
 # (the demo's base ramp: 75-97 s PASSIVE, 49 s default; docs/measured.md, "One OpenMP pool per process").
 test test-fast test-slow: export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo demo-toy quant-methods gemma test test-fast test-slow lint format clean browser dashboard
+.PHONY: demo demo-toy quant-methods quant-methods-more gemma test test-fast test-slow lint format clean browser dashboard
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,9 @@ $(GEMMA_STAMP): $(STAMP)
 
 quant-methods: $(GEMMA_STAMP)  ## RTN, GPTQ, AWQ, HQQ and a mixed plan on Gemma 3 270M: recipes/quant-methods.yaml
 	$(BIN)/workbench run recipes/quant-methods.yaml
+
+quant-methods-more: $(GEMMA_STAMP)  ## torchao int4, int8 KV, GPTQ damping, int8/int4 embeddings, int8 groups: recipes/quant-methods-more.yaml
+	$(BIN)/workbench run recipes/quant-methods-more.yaml
 
 demo-toy: $(STAMP)  ## the project's own 1.3M-parameter model (built on first use): recipes/demo-toy.yaml
 	$(BIN)/workbench run recipes/demo-toy.yaml
