@@ -171,9 +171,9 @@ def traced_decode_attention(engine: LLMEngine) -> None:
 
 def profile_engine(model: Path, w: Workload, compile_model: bool = False) -> Profile:
     if compile_model:  # each of inductor's C++ kernels a profiler event, named by what it fuses
-        import torch._inductor.config
+        import torch._inductor.config as inductor_config
 
-        torch._inductor.config.cpp.enable_kernel_profile = True
+        inductor_config.cpp.enable_kernel_profile = True
     engine = engine_for(model, 1 << 30, compile_model=compile_model)
     traced_decode_attention(engine)
     run_engine(engine, w)  # warm

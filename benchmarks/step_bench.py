@@ -5,7 +5,8 @@ a decode step at 1, 16 and 64 running sequences, and the prefill of 1,024 prompt
 [--rounds 3] [--context 128] [--device cpu|cuda]`
 
 Engine systems: engine (defaults), engine-bf16, engine-compile, engine-bf16-compile, engine-unmerged
-and engine-compile-unmerged (q/k/v and gate/up as separate products)
+and engine-compile-unmerged (q/k/v and gate/up as separate products), engine-unfused
+(transformers' decoder layers, not `serve/model/fused_layers.py`'s)
 (`--compile`: graphs built when the system is set up, not timed), sdpa (the gather backend),
 sdpa-flinear (also without prepacked linears). Baselines: generate, generate-bf16, and vllm
 (`--vllm-venv`: vLLM's offline engine in its own venv, default flags, prefix caching off).
@@ -56,6 +57,7 @@ class EngineSystem:
     dtype: Dtype = "float32"
     compile: bool = False
     merge: bool = True
+    fuse: bool = True
 
 
 ENGINE_SYSTEMS = {
@@ -63,6 +65,7 @@ ENGINE_SYSTEMS = {
     "engine-bf16": EngineSystem(dtype="bfloat16"),
     "engine-compile": EngineSystem(compile=True),
     "engine-unmerged": EngineSystem(merge=False),
+    "engine-unfused": EngineSystem(fuse=False),
     "engine-compile-unmerged": EngineSystem(compile=True, merge=False),
     "engine-bf16-compile": EngineSystem(dtype="bfloat16", compile=True),
     "sdpa": EngineSystem(backend="sdpa"),
@@ -84,6 +87,7 @@ def make_engine(model: Path, system: EngineSystem, prefill: int, device: str = "
             attention_backend=system.backend,
             prepack_linears=system.prepack,
             merge_projections=system.merge,
+            fuse_layers=system.fuse,
             compile=system.compile,
         ),
         CacheConfig(num_blocks=4096, block_size=8),

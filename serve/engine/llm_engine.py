@@ -34,6 +34,7 @@ from serve.lora.adapter import Adapter
 from serve.lora.manager import LoraConfig
 from serve.model.compilation import why_not_compilable
 from serve.model.cpu_linear import can_prepack, prepack_linears
+from serve.model.fused_layers import fuse_decoder_layers
 from serve.model.grammar import GrammarBackend, GrammarError
 from serve.model.host_memory import keep_freed_memory
 from serve.model.model_runner import (
@@ -98,6 +99,8 @@ class LLMEngine:
         self.vocab_size = hf_model.get_output_embeddings().out_features
         if model.prepack_linears and can_prepack(device, dtype):
             prepack_linears(hf_model, merge_groups=model.merge_projections)
+        if model.fuse_layers and not model.compile and device.type == "cpu":
+            fuse_decoder_layers(hf_model)
         if model.compile and (why_not := why_not_compilable(hf_model, lora is not None)):
             raise ValueError(f"--compile cannot be used here: {why_not}; drop --compile")
         self.runner = ModelRunner(

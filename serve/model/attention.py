@@ -263,16 +263,29 @@ def _attend_layer(
     window: int | None,
 ) -> torch.Tensor:
     """[1, H, T, D] queries (and KV-head keys/values) in, [1, T, H, D] out."""
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    return attend_tokens(q, k, v, layer_idx, scale, window)[None]
+
+
+def attend_tokens(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """One layer's paged attention for the step's token rows: q [T, H, D], k and v
+    [T, KV heads, D] in (written into their slots first), [T, H, D] out."""
     meta = _step_meta.get()
     if meta is None:
         raise RuntimeError(
             "paged attention was called outside step_context(); run the model through ModelRunner"
         )
     k_cache, v_cache = meta.kv_caches[layer_idx]
-    write_slots(k_cache, meta.slot_mapping, key[0].transpose(0, 1))
-    write_slots(v_cache, meta.slot_mapping, value[0].transpose(0, 1))
-    q = query[0].transpose(0, 1)
-    return meta.backend.attend(q, k_cache, v_cache, meta, scale, window)[None]
+    write_slots(k_cache, meta.slot_mapping, k)
+    write_slots(v_cache, meta.slot_mapping, v)
+    return meta.backend.attend(q, k_cache, v_cache, meta, scale, window)
 
 
 def _paged_attention_kernel(

@@ -9,11 +9,8 @@ Prefill chunks still go to SDPA's fused kernel. Float32 and bfloat16 models, the
 model's dtype or in int8 with a scale per (token, KV head) (`serve/model/kv_cache.py`, read in
 place: codes and scales); scores, softmax and sums in float32.
 
-The library is compiled once per (source, compiler, CPU) into `$WORKBENCH_CACHE_DIR/kernels`
-with the C compiler `$CC` (default `cc`), `-O3 -march=native -ffast-math -fopenmp`, in about
-half a second. Its OpenMP runtime is the one torch already loaded (same soname), so the two
-share one pool of threads. Where no compiler works, `load_kernel` returns None and the engine
-keeps SDPA.
+The library is built by `serve/model/native.py` with `-O3 -ffast-math`; where no compiler
+works, `load_kernel` returns None and the engine keeps SDPA.
 NOTE: results equal SDPA's up to float32 rounding (about 1e-6 relative); the engine tests stay
 token-exact against `generate`.
 """
@@ -21,27 +18,19 @@ token-exact against `generate`.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from compress.cache import cache_dir
 from serve.model.attention import DecodeGroup, SDPABackend
 from serve.model.kv_cache import Int8KV, KVTensor
+from serve.model.native import KERNELS, NEEDS_COMPILER, build_library, declare
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
-COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
-LINK = ["-shared", "-fopenmp"]
+SOURCE = KERNELS / "paged_decode.c"
+COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 """NOTE: -ffast-math (vectorized dot products and expf) only when compiling: linked with it, the
 library would bring crtfastmath, which flushes denormals to zero for the whole process."""
 _FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
@@ -52,76 +41,21 @@ _INT8_ARGTYPES = [*_ARGTYPES[:3], _P, _P, *_ARGTYPES[3:]]
 """The int8 functions take the K and V scales after the caches."""
 
 
-def _cache_root() -> Path:
-    return cache_dir() / "kernels"
-
-
-def _cpu_identity() -> str:
-    """What `-march=native` depends on: the CPU's model and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    wanted = ("model name", "flags")
-    return "\n".join(sorted({ln for ln in text.splitlines() if ln.startswith(wanted)}))
-
-
-def _library_path(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True)
-    key = "\0".join(
-        [SOURCE.read_text(), compiler, version.stdout, " ".join(COMPILE + LINK), _cpu_identity()]
-    )
-    return _cache_root() / f"paged_decode-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-
-
-def _compile(compiler: str, target: Path) -> None:
-    """Compile into a temporary file in `target`'s dir, then rename: concurrent builders each
-    write their own file, and a reader never sees a half-written library."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
-    os.close(fd)
-    obj = f"{tmp}.o"
-    try:
-        for cmd in (
-            [compiler, *COMPILE, "-o", obj, str(SOURCE)],
-            [compiler, *LINK, "-o", tmp, obj, "-lm"],
-        ):
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
-        os.replace(tmp, target)
-    finally:
-        for path in (tmp, obj):
-            if os.path.exists(path):
-                os.unlink(path)
-
-
 @cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, building it on first use; None (and one log line saying
     why) when it cannot be built here."""
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        log.warning("paged CPU attention unavailable: no C compiler %r (set CC)", compiler)
+    lib, why_not = build_library(SOURCE, COMPILE)
+    if lib is None:
+        log.warning("paged CPU attention unavailable: %s", why_not)
         return None
-    try:
-        path = _library_path(compiler)
-        if not path.exists():
-            _compile(compiler, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("paged CPU attention unavailable: %s", e)
-        return None
-    for names, argtypes in ((_FUNCTIONS, _ARGTYPES), (_INT8_FUNCTIONS, _INT8_ARGTYPES)):
-        for name in names.values():
-            getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = ctypes.c_int
+    declare(lib, list(_FUNCTIONS.values()), _ARGTYPES)
+    declare(lib, list(_INT8_FUNCTIONS.values()), _INT8_ARGTYPES)
     return lib
 
 
 MAX_GROUP, MAX_HEAD_DIM = 16, 512
 """The kernel's limits: query heads per KV head, and head dim."""
-NEEDS_COMPILER = "it needs a C compiler (gcc or clang as `cc`, or $CC) to build its kernel"
 
 
 def unsupported_reason(

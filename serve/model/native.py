@@ -1,0 +1,88 @@
+"""Small C kernels of the CPU engine, compiled on first use and loaded through ctypes.
+
+Model: a kernel source (`serve/model/kernels/*.c`) is compiled once per (source, compiler,
+flags, CPU) into `$WORKBENCH_CACHE_DIR/kernels` with the C compiler `$CC` (default `cc`) and
+`-march=native -fopenmp`, in about half a second. Its OpenMP runtime is the one torch already
+loaded (same soname), so the kernels and torch share one pool of threads. Where no compiler
+works, `build_library` returns None with the reason, and the caller keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from compress.cache import cache_dir
+
+KERNELS = Path(__file__).with_name("kernels")
+LINK = ["-shared", "-fopenmp"]
+NEEDS_COMPILER = "it needs a C compiler (gcc or clang as `cc`, or $CC) to build its kernel"
+
+
+def _cpu_identity() -> str:
+    """What `-march=native` depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags")
+    return "\n".join(sorted({ln for ln in text.splitlines() if ln.startswith(wanted)}))
+
+
+def _library_path(source: Path, compiler: str, flags: list[str]) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True)
+    key = "\0".join(
+        [source.read_text(), compiler, version.stdout, " ".join(flags + LINK), _cpu_identity()]
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"{source.stem}-{digest}.so"
+
+
+def _compile(source: Path, compiler: str, flags: list[str], target: Path) -> None:
+    """Compile into a temporary file in `target`'s dir, then rename: concurrent builders each
+    write their own file, and a reader never sees a half-written library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
+    os.close(fd)
+    obj = f"{tmp}.o"
+    try:
+        for cmd in (
+            [compiler, *flags, "-fPIC", "-c", "-o", obj, str(source)],
+            [compiler, *LINK, "-o", tmp, obj, "-lm"],
+        ):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def build_library(source: Path, flags: list[str]) -> tuple[ctypes.CDLL | None, str]:
+    """The compiled library of `source` (built on first use) and "", or None and why not."""
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        return None, f"no C compiler {compiler!r} (set CC)"
+    try:
+        path = _library_path(source, compiler, flags)
+        if not path.exists():
+            _compile(source, compiler, flags, path)
+        return ctypes.CDLL(str(path)), ""
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, str(e)
+
+
+def declare(lib: ctypes.CDLL, names: list[str], argtypes: Sequence[type]) -> None:
+    """Give each function of `names` its argument types and an int return code."""
+    for name in names:
+        getattr(lib, name).argtypes = list(argtypes)
+        getattr(lib, name).restype = ctypes.c_int
