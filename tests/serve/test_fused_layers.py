@@ -83,8 +83,9 @@ def test_rotary_in_place_on_column_slices_equals_apply_rotary_pos_emb(dtype: tor
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_equals_silu_times_up_over_the_whole_range(dtype: torch.dtype) -> None:
     """Gate values from -200 to 200 (past exp's float32 range both ways) and the zeros."""
-    gate_up = torch.cat([torch.linspace(-200, 200, 4001), torch.randn(4001) * 4]).to(dtype)
-    gate_up = gate_up[: 2 * 4000].view(4, 2000)
+    gate_up = torch.cat([torch.linspace(-200, 200, 8001), torch.randn(8001) * 4]).to(dtype)
+    gate_up = gate_up[: 2 * 8000].view(8, 2000)
+    assert gate_up.numel() // 2 > fused_layers.SMALL_SILU  # the kernel's path, not torch's
     gate, up = gate_up[:, :1000], gate_up[:, 1000:]
     got = ops(dtype).silu_mul(gate, up)
     want = F.silu(gate) * up
