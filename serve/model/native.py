@@ -38,9 +38,9 @@ def _cpu_identity() -> str:
 
 def _library_path(source: Path, compiler: str, flags: list[str]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True)
-    key = "\0".join(
-        [source.read_text(), compiler, version.stdout, " ".join(flags + LINK), _cpu_identity()]
-    )
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what it may include
+    build = [compiler, version.stdout, " ".join(flags + LINK), _cpu_identity()]
+    key = "\0".join([source.read_text(), *headers, *build])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"{source.stem}-{digest}.so"
 

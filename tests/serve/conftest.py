@@ -19,6 +19,7 @@ from transformers import (
     AutoTokenizer,
     Gemma3TextConfig,
     LlamaConfig,
+    MistralConfig,
     Qwen2Config,
     Qwen3Config,
 )
@@ -39,16 +40,18 @@ ARCHITECTURES = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
     "gemma3": Gemma3TextConfig,
+    "mistral": MistralConfig,
 }
 ARCH_EXTRA = {
+    "mistral": {"sliding_window": 16},
     "gemma3": {
         "sliding_window": 16,
         "layer_types": ["sliding_attention", "full_attention"],
         "query_pre_attn_scalar": 16,
-    }
+    },
 }
-"""Gemma 3 as the real one interleaves them (local layers of 512 then a global one), with a
-16-token window so that most test prompts outrun it."""
+"""Gemma 3 as the real one interleaves them (local layers of 512 then a global one), and
+Mistral's window covers every layer; 16-token windows, so that most test prompts outrun them."""
 
 
 @dataclass(frozen=True)

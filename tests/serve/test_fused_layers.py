@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MistralConfig
+from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from serve import LLMEngine, SamplingParams
@@ -93,29 +93,6 @@ def test_silu_mul_equals_silu_times_up_over_the_whole_range(dtype: torch.dtype) 
     torch.testing.assert_close(got, want, rtol=tol, atol=1e-30)
 
 
-def mistral_model(tokenizer_dir: Path, out: Path) -> Path:
-    """A tiny Mistral with a 16-token sliding window (most test prompts outrun it)."""
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        initializer_range=0.3,
-        sliding_window=16,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 def engine_outputs(model_dir: Path, cases: list[Case], fuse: bool) -> tuple[LLMEngine, list]:
     engine = LLMEngine(
         ModelConfig(str(model_dir), dtype="float32", device="cpu", fuse_layers=fuse),
@@ -135,14 +112,9 @@ def engine_outputs(model_dir: Path, cases: list[Case], fuse: bool) -> tuple[LLME
 
 @needs_ops
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_fused_engine_equals_generate(
-    arch: str, model_dirs: dict[str, Path], tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    model_dir = (
-        mistral_model(tiny_model_dir, tmp_path / "mistral")
-        if arch == "mistral"
-        else model_dirs[arch]
-    )
+def test_fused_engine_equals_generate(arch: str, model_dirs: dict[str, Path]) -> None:
+    """Mistral with a 16-token sliding window (most test prompts outrun it)."""
+    model_dir = model_dirs[arch]
     cases = make_cases(12, seed=7, vocab=AutoConfig.from_pretrained(model_dir).vocab_size)
     engine, got = engine_outputs(model_dir, cases, fuse=True)
     base = engine.runner.model.model

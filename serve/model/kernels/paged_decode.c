@@ -24,24 +24,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 512
 #define STACK_FLOATS 4096 /* an item's small scratch on the stack up to this size (16 KB) */
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 #define F32_LOAD(x) (x)
 #define F32_STORE(x) (x)
