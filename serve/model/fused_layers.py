@@ -24,7 +24,6 @@ from functools import cache
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -52,10 +51,6 @@ _SIGNATURES: dict[str, list[type]] = {
     "silu_mul": [_P, _I, _P, _I, _P, _I, _I, _N],
 }
 
-SMALL_SILU = 4096
-"""At most this many values, SiLU x up stays torch's two operators: at one row of 1,280 the
-kernel's vectorized exp and the ctypes call took 13.5 µs against torch's 5.9
-(`benchmarks/fused_ops_bench.py`)."""
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 """RMSNorm classes computing `weight * (x * rsqrt(mean(x^2) + eps))`, as the kernel does."""
 ARCHITECTURES: dict[str, Callable[[nn.Module], int | None]] = {
@@ -85,7 +80,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class FusedOps:
-    """The kernels for one dtype, called on 2-D [rows, values] tensors."""
+    """The kernels for one dtype, called on 2-D [rows, values] tensors. Every row's result is
+    the same whatever the call's row count (no torch fallback for small calls: a row computed
+    in a one-row decode step and in a prefill chunk must round alike, or a prefix-cache hit
+    would change a request's logprobs)."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         suffix = _SUFFIX[dtype]
@@ -125,8 +123,6 @@ class FusedOps:
         )  # fmt: skip
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if gate.numel() <= SMALL_SILU:
-            return F.silu(gate) * up
         gate, up = _rows(gate), _rows(up)
         out = torch.empty(gate.shape, dtype=gate.dtype)
         self._silu_mul(
