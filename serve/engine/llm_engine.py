@@ -99,7 +99,7 @@ class LLMEngine:
         self.vocab_size = hf_model.get_output_embeddings().out_features
         if model.prepack_linears and can_prepack(device, dtype):
             prepack_linears(hf_model, merge_groups=model.merge_projections)
-        if model.fuse_layers and not model.compile and device.type == "cpu":
+        if model.fuse_layers and not model.compile:  # CPU models only: why_not_fusable
             fuse_decoder_layers(hf_model)
         if model.compile and (why_not := why_not_compilable(hf_model, lora is not None)):
             raise ValueError(f"--compile cannot be used here: {why_not}; drop --compile")

@@ -87,7 +87,6 @@ class FusedOps:
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         suffix = _SUFFIX[dtype]
-        self.dtype = dtype
         self._norm, self._add_norm, self._rotary, self._silu_mul = (
             getattr(lib, f"{op}_{suffix}") for op in _SIGNATURES
         )

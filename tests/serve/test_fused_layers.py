@@ -16,6 +16,7 @@ from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.model import fused_layers
 from serve.model.fused_layers import FusedDecoderLayer, FusedOps, FusedRMSNorm, load_ops
 from tests.serve.conftest import Case, make_cases, reference_outputs
+from tests.serve.test_engine_exact import run
 
 needs_ops = pytest.mark.skipif(
     load_ops() is None, reason="no C compiler (cc or $CC) to build the fused-op kernels"
@@ -98,14 +99,7 @@ def engine_outputs(model_dir: Path, cases: list[Case], fuse: bool) -> tuple[LLME
         CacheConfig(block_size=16, num_blocks=512),
         SchedulerConfig(max_num_batched_tokens=256),  # long prompts are prefilled in chunks
     )
-    for i, case in enumerate(cases):
-        params = SamplingParams(max_tokens=case.max_tokens, temperature=0)
-        engine.add_request(str(i), case.prompt, params)
-    outputs: dict[int, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[int(out.request_id)] = out.token_ids
+    outputs = run(engine, cases)  # also checks the block pool after every step
     return engine, [outputs[i] for i in range(len(cases))]
 
 
