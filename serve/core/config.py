@@ -132,9 +132,9 @@ class ModelConfig:
     merge_projections: bool = True
     """With `prepack_linears`: q/k/v and gate/up as one prepacked product each."""
     fuse_layers: bool = True
-    """On the CPU without `compile`: run Llama-family decoder layers with their norms, rotary
-    embedding and activation as fused C kernels (`serve/model/fused_layers.py`); False keeps
-    transformers' modules."""
+    """On the CPU without `compile`: run the decoder layers of Llama, Mistral, Qwen 2 / 3 and
+    Gemma 3 models with their norms, rotary embedding and activation as fused C kernels
+    (`serve/model/fused_layers.py`); False keeps transformers' modules."""
     compile: bool = False
     """Run each step's forward through `torch.compile` (`serve/model/compilation.py`): graphs for the
     step shapes are compiled at load (seconds to minutes), float models without LoRA only."""

@@ -44,7 +44,7 @@ from serve.model.model_runner import (
     resolve_device,
     resolve_dtype,
 )
-from serve.model.sampler import SampleInput, Sampler, token_logprobs
+from serve.model.sampler import SampleInput, Sampler, select_rows, token_logprobs
 from serve.model.step_inputs import StepInputs
 
 __all__ = ["InvalidRequest", "LLMEngine", "RequestOutput", "StepFailed"]
@@ -265,7 +265,9 @@ class LLMEngine:
         rows = [inputs.sample_rows[r] for r in ids]
         sample_inputs = [self._sample_input(r, masks.get(r.request_id)) for r in requests]
         tokens = {}
-        for request, s in zip(requests, self.sampler.sample(logits[rows], sample_inputs)):
+        for request, s in zip(
+            requests, self.sampler.sample(select_rows(logits, rows), sample_inputs)
+        ):
             tokens[request.request_id] = s.token_id
             if s.logprobs is not None:
                 request.logprobs.append(s.logprobs)

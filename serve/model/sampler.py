@@ -56,6 +56,14 @@ class Sampled:
     """The sampled token's logprob and the top-N, when the request asked for logprobs."""
 
 
+def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`logits[rows]`: a view when the rows are consecutive (a decode step samples every row of
+    its logits in order; a gather would copy them, 64 MB a step for 64 rows of a 262k vocabulary)."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0] : rows[0] + len(rows)]
+    return logits[rows]
+
+
 def token_logprobs(row: torch.Tensor, token_id: int, top_n: int) -> dict[int, float]:
     """{token: logprob} for `token_id` and the `top_n` most likely tokens of one logits row."""
     logprobs = row.float().log_softmax(-1)
@@ -99,7 +107,10 @@ class Sampler:
                 token_ids[k] = pick
         others = [k for k, i in enumerate(inputs) if not (i.plain or i.masked_greedy)]
         if others:
-            for k, row in zip(others, logits[others].cpu()):
+            # NOTE: on the CPU each row is a view (a gather of every row would copy megabytes
+            # of logits per step); elsewhere the rows come to the host in one transfer.
+            rows = (logits[k] for k in others) if logits.is_cpu else logits[others].cpu()
+            for k, row in zip(others, rows):
                 token_ids[k] = self._one(row, inputs[k])
         return [
             Sampled(
