@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from serve.core.sampling_params import SamplingParams
+from serve.model.greedy import argmax_rows
 from serve.model.logits_processors import process, truncate
 
 MIN_LOGPROB = -9999.0
@@ -98,7 +99,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, inputs: list[SampleInput]) -> list[Sampled]:
         """logits: float32 [len(inputs), vocab], on any device."""
-        token_ids = logits.argmax(-1).tolist()  # the plain rows' tokens; the others redrawn
+        token_ids = argmax_rows(logits)  # the plain rows' tokens; the others redrawn
         masked = [k for k, i in enumerate(inputs) if i.masked_greedy]
         if masked:
             allowed = torch.stack([inputs[k].allowed for k in masked]).to(logits.device)  # type: ignore[misc]
