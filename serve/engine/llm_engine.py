@@ -44,7 +44,7 @@ from serve.model.model_runner import (
     resolve_device,
     resolve_dtype,
 )
-from serve.model.sampler import SampleInput, Sampler, select_rows, token_logprobs
+from serve.model.sampler import SampleInput, Sampler, logprobs_of, select_rows
 from serve.model.step_inputs import StepInputs
 
 __all__ = ["InvalidRequest", "LLMEngine", "RequestOutput", "StepFailed"]
@@ -302,11 +302,16 @@ class LLMEngine:
             if not request.prompt_logprobs:
                 skipped = max(request.sampling_params.prompt_logprobs_from, 1)
                 request.prompt_logprobs.extend([None] * min(skipped, request.num_prompt_tokens))
+            rows, tokens = [], []
             for i in range(count):
                 target = chunk.start_pos + chunk.first_logprob_row + i + 1
-                if target == len(request.prompt_logprobs) and target < request.num_prompt_tokens:
-                    token = request.prompt_token_ids[target]
-                    request.prompt_logprobs.append(token_logprobs(logits[first + i], token, top_n))
+                recorded = len(request.prompt_logprobs) + len(rows)
+                if target == recorded and target < request.num_prompt_tokens:
+                    rows.append(first + i)
+                    tokens.append(request.prompt_token_ids[target])
+            if rows:
+                picked = select_rows(logits, rows)
+                request.prompt_logprobs.extend(logprobs_of(picked, tokens, top_n))
 
     def adapters_in_use(self) -> set[int]:
         return {r.adapter_id for r in self.scheduler.requests.values() if r.adapter_id is not None}

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from serve import LLM, SamplingParams
 from serve.core.config import CacheConfig
 from serve.core.request import FinishReason, Request
-from serve.model.sampler import select_rows
+from serve.model.sampler import MIN_LOGPROB, logprobs_of, select_rows, token_logprobs
 from tests.serve.conftest import Case
 
 
@@ -206,3 +206,24 @@ def test_consecutive_sample_rows_are_a_view_of_the_logits_not_a_copy() -> None:
         assert torch.equal(picked, logits[rows])
     picked = select_rows(logits, [0, 2, 5])
     assert torch.equal(picked, logits[[0, 2, 5]])
+
+
+@pytest.mark.parametrize("top_n", [0, 1, 3])
+def test_logprobs_of_rows_equal_each_rows_log_softmax(top_n: int) -> None:
+    """The batched logprobs (logit - logsumexp) against a row's log-softmax, with its top-n;
+    a row with a NaN or -inf logits reports MIN_LOGPROB where its logprob is not finite."""
+    torch.manual_seed(top_n)
+    rows = torch.randn(5, 3000) * 4
+    rows[3, 17] = float("-inf")
+    rows[4, 5] = float("nan")
+    tokens = [0, 2999, 1234, 17, 6]
+    got = logprobs_of(rows, tokens, top_n)
+    for row, token, logprobs in zip(rows[:4], tokens, got):
+        want = row.log_softmax(-1)
+        top = want.topk(top_n).indices.tolist() if top_n else []
+        assert list(logprobs) == list(dict.fromkeys([token, *top]))
+        for t, lp in logprobs.items():
+            expected = float(want[t]) if torch.isfinite(want[t]) else MIN_LOGPROB
+            assert lp == pytest.approx(expected, abs=1e-5)
+    assert set(got[4].values()) == {MIN_LOGPROB}
+    assert got[0] == token_logprobs(rows[0], tokens[0], top_n)
