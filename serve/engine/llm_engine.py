@@ -302,7 +302,8 @@ class LLMEngine:
             if not request.prompt_logprobs:
                 skipped = max(request.sampling_params.prompt_logprobs_from, 1)
                 request.prompt_logprobs.extend([None] * min(skipped, request.num_prompt_tokens))
-            rows, tokens = [], []
+            rows: list[int] = []
+            tokens: list[int] = []
             for i in range(count):
                 target = chunk.start_pos + chunk.first_logprob_row + i + 1
                 recorded = len(request.prompt_logprobs) + len(rows)
