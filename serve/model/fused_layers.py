@@ -3,7 +3,7 @@
 Model: besides its linears, transformers' eager decoder layer runs dozens of small operators
 (each RMSNorm's seven; the rotary embedding's fourteen; the activation and its product; the
 residual adds), each a pass over the step's activations plus its Python; on a 2-core CPU they
-were ~1.0 s of a 64-request mixed workload's 8.7 s on a 25M Llama (Gemma 3 270M: 5.1 s of 61 s),
+were ~1.0 s of a 64-request mixed workload's 8.7 s on a 25M Llama (Gemma 3 270M: 4.5 s of 61 s),
 against 0.02 s in vLLM's compiled graphs. `fuse_decoder_layers` replaces each decoder layer of a
 known architecture (`ARCHITECTURES`) by a fused layer holding the same submodules under the same
 names (its linears, prepacked, quantized or LoRA-wrapped, are called as before), which runs the
