@@ -18,16 +18,13 @@ token-exact against `generate`.
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import cache
 
 import torch
 
 from serve.model.attention import DecodeGroup, SDPABackend
 from serve.model.kv_cache import Int8KV, KVTensor
-from serve.model.native import KERNELS, NEEDS_COMPILER, build_library, declare
-
-log = logging.getLogger(__name__)
+from serve.model.native import KERNELS, NEEDS_COMPILER, load_library
 
 SOURCE = KERNELS / "paged_decode.c"
 COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -45,13 +42,9 @@ _INT8_ARGTYPES = [*_ARGTYPES[:3], _P, _P, *_ARGTYPES[3:]]
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, building it on first use; None (and one log line saying
     why) when it cannot be built here."""
-    lib, why_not = build_library(SOURCE, COMPILE)
-    if lib is None:
-        log.warning("paged CPU attention unavailable: %s", why_not)
-        return None
-    declare(lib, list(_FUNCTIONS.values()), _ARGTYPES)
-    declare(lib, list(_INT8_FUNCTIONS.values()), _INT8_ARGTYPES)
-    return lib
+    signatures = {name: _ARGTYPES for name in _FUNCTIONS.values()}
+    signatures |= {name: _INT8_ARGTYPES for name in _INT8_FUNCTIONS.values()}
+    return load_library(SOURCE, COMPILE, signatures, "paged CPU attention unavailable")
 
 
 MAX_GROUP, MAX_HEAD_DIM = 16, 512

@@ -29,7 +29,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from serve.model.attention import ATTENTION_NAME, attend_tokens
-from serve.model.fused_ops import ACTIVATIONS, DTYPES, FusedOps, NormWeight, load_ops
+from serve.model.fused_ops import ACTIVATIONS, DTYPES, FusedOps, NormWeight, load_ops, rows_of
 
 
 def _sliding(attn: nn.Module) -> int | None:
@@ -112,7 +112,7 @@ class FusedDecoderLayer(nn.Module):
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         attn, t, d = self.self_attn, h.shape[0], self.head_dim
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        q, k = (x if x.stride(1) == 1 else x.contiguous() for x in (q, k))
+        q, k = rows_of(q), rows_of(k)
         q_norm, k_norm = self.qk_norms
         self.ops.rotary(q, self.heads, cos, sin, q_norm)
         self.ops.rotary(k, self.kv_heads, cos, sin, k_norm)
@@ -167,7 +167,7 @@ def _fusable(layer: nn.Module, dtype: torch.dtype) -> bool:
     norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
     return (
         all(NormWeight.fusable(n, dtype) for n in norms)
-        and len({NormWeight.of(n).f32_weight for n in norms}) == 1
+        and len({NormWeight.gemma_style(n) for n in norms}) == 1
         and type(getattr(mlp, "act_fn", None)).__name__ in ACTIVATIONS
         and attn.config._attn_implementation == ATTENTION_NAME
         and getattr(attn, "attn_logit_softcapping", None) is None

@@ -12,16 +12,13 @@ change a request's logprobs).
 from __future__ import annotations
 
 import ctypes
-import logging
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 import torch
 
-from serve.model.native import KERNELS, build_library, declare
-
-log = logging.getLogger(__name__)
+from serve.model.native import KERNELS, load_library
 
 SOURCE = KERNELS / "fused_ops.c"
 COMPILE = [
@@ -54,13 +51,9 @@ ACTIVATIONS = {"SiLUActivation": 0, "SiLU": 0, "GELUTanh": 1}
 @cache
 def load_ops() -> ctypes.CDLL | None:
     """The fused-op library, built on first use; None (and one log line) where it cannot be."""
-    lib, why_not = build_library(SOURCE, COMPILE)
-    if lib is None:
-        log.warning("fused decoder layers unavailable (transformers' layers kept): %s", why_not)
-        return None
-    for op, argtypes in _SIGNATURES.items():
-        declare(lib, [f"{op}_{suffix}" for suffix in DTYPES.values()], argtypes)
-    return lib
+    signatures = {f"{op}_{s}": types for op, types in _SIGNATURES.items() for s in DTYPES.values()}
+    unavailable = "fused decoder layers unavailable (transformers' layers kept)"
+    return load_library(SOURCE, COMPILE, signatures, unavailable)
 
 
 @dataclass(frozen=True)
@@ -74,15 +67,20 @@ class NormWeight:
 
     @classmethod
     def of(cls, norm: Any) -> NormWeight:
-        if type(norm).__name__ in GEMMA_NORMS:
+        if cls.gemma_style(norm):
             return cls((1.0 + norm.weight.detach().float()).contiguous(), True, float(norm.eps))
         assert type(norm).__name__ in LLAMA_NORMS, type(norm).__name__
         return cls(norm.weight, False, float(norm.variance_epsilon))
 
     @staticmethod
-    def fusable(norm: Any, dtype: torch.dtype) -> bool:
-        name = type(norm).__name__
-        return name in GEMMA_NORMS or (name in LLAMA_NORMS and norm.weight.dtype == dtype)
+    def gemma_style(norm: Any) -> bool:
+        """Gemma's (1 + w) norm (a float32 weight for the kernel), not Llama's."""
+        return type(norm).__name__ in GEMMA_NORMS
+
+    @classmethod
+    def fusable(cls, norm: Any, dtype: torch.dtype) -> bool:
+        llama_style = type(norm).__name__ in LLAMA_NORMS and norm.weight.dtype == dtype
+        return cls.gemma_style(norm) or llama_style
 
 
 def rows_of(x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +122,8 @@ class FusedOps:
     def norm_add_rms_norm(
         self, a: torch.Tensor, a_norm: NormWeight, b: torch.Tensor, norm: NormWeight | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(b + a_norm(a), norm(b + a_norm(a)) or None without `norm`); both norms of one kind."""
+        """(b + a_norm(a), norm(b + a_norm(a)) or None without `norm`); both norms of one kind
+        and one eps (a layer's norms share its config's)."""
         a, b = a.contiguous(), b.contiguous()
         total = torch.empty_like(a)
         out = torch.empty_like(a) if norm is not None else None

@@ -11,14 +11,11 @@ take `torch.argmax`.
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import cache
 
 import torch
 
-from serve.model.native import KERNELS, build_library, declare
-
-log = logging.getLogger(__name__)
+from serve.model.native import KERNELS, load_library
 
 SOURCE = KERNELS / "argmax.c"
 COMPILE = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
@@ -28,13 +25,9 @@ COMPILE = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping
 @cache
 def load_argmax() -> ctypes.CDLL | None:
     """The argmax library, built on first use; None (and one log line) where it cannot be."""
-    lib, why_not = build_library(SOURCE, COMPILE)
-    if lib is None:
-        log.warning("greedy sampling through torch.argmax: %s", why_not)
-        return None
     p, i = ctypes.c_void_p, ctypes.c_int64
-    declare(lib, ["argmax_f32"], [p, i, i, i, p, ctypes.c_int])
-    return lib
+    signatures = {"argmax_f32": [p, i, i, i, p, ctypes.c_int]}
+    return load_library(SOURCE, COMPILE, signatures, "greedy sampling through torch.argmax")
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:

@@ -4,22 +4,26 @@ Model: a kernel source (`serve/model/kernels/*.c`) is compiled once per (source,
 flags, CPU) into `$WORKBENCH_CACHE_DIR/kernels` with the C compiler `$CC` (default `cc`) and
 `-march=native -fopenmp`, in about half a second. Its OpenMP runtime is the one torch already
 loaded (same soname), so the kernels and torch share one pool of threads. Where no compiler
-works, `build_library` returns None with the reason, and the caller keeps its torch path.
+works, `build_library` returns None with the reason (`load_library`, which each kernel's loader
+calls, logs it and declares the functions' signatures), and the caller keeps its torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from compress.cache import cache_dir
+
+log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 LINK = ["-shared", "-fopenmp"]
@@ -81,8 +85,17 @@ def build_library(source: Path, flags: list[str]) -> tuple[ctypes.CDLL | None, s
         return None, str(e)
 
 
-def declare(lib: ctypes.CDLL, names: list[str], argtypes: Sequence[type]) -> None:
-    """Give each function of `names` its argument types and an int return code."""
-    for name in names:
+def load_library(
+    source: Path, flags: list[str], signatures: Mapping[str, Sequence[type]], unavailable: str
+) -> ctypes.CDLL | None:
+    """`source`'s library (built on first use) with each function of `signatures` given its
+    argument types and an int return code; None, logging `unavailable: <why>`, where it cannot
+    be built (callers cache the result, so the line is logged once)."""
+    lib, why_not = build_library(source, flags)
+    if lib is None:
+        log.warning("%s: %s", unavailable, why_not)
+        return None
+    for name, argtypes in signatures.items():
         getattr(lib, name).argtypes = list(argtypes)
         getattr(lib, name).restype = ctypes.c_int
+    return lib
