@@ -1,15 +1,15 @@
 """Structured-output cost: what a grammar costs per step, and what free requests in the same
 batch pay for it.
 
-`python -m benchmarks.grammar_bench [--model DIR] [--requests 16] [--constrained 16] [--rounds 3]`:
-in one engine, alternating round by round, runs
+`python -m benchmarks.grammar_bench [--model DIR] [--requests 16] [--constrained 16] [--rounds 3]
+[--schema plain|bounded]`: in one engine, alternating round by round, runs
   (a) `--requests` free greedy requests beside `--constrained` JSON-schema-constrained ones, and
   (b) the same free requests beside as many unconstrained twins of the constrained ones (same
       prompts, same output lengths: the lengths the constrained ones reach),
 so both batches have the same shape and differ only in the grammar. Prints per round the free
 requests' mean time per output token in (a) and (b) and their ratio, and the time spent in
-llguidance per step of (a): token masks (computed in a worker thread beside the forward) and
-token consumption (after sampling).
+the grammar engine per step of (a): token masks and token consumption. `--schema plain` is
+enforced by xgrammar, `bounded` (string lengths) by llguidance (`serve/model/grammar_engines.py`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from catalog import ensure_demo_model
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.core.sampling_params import Grammar, SamplingParams
 from serve.engine.llm_engine import LLMEngine
+from serve.model.grammar_engines import route
 
-SCHEMA = {
+SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 16},
@@ -36,6 +37,10 @@ SCHEMA = {
     },
     "required": ["name", "age", "tags"],
     "additionalProperties": False,
+}
+SCHEMAS = {  # plain: xgrammar enforces it; bounded (string lengths): llguidance
+    "plain": {**SCHEMA, "properties": {**SCHEMA["properties"], "name": {"type": "string"}}},
+    "bounded": SCHEMA,
 }
 
 
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--constrained", type=int, default=16)
     parser.add_argument("--free-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--schema", choices=sorted(SCHEMAS), default="plain")
     args = parser.parse_args(argv)
     args.model = args.model or ensure_demo_model("demo-tiny")
     engine = LLMEngine(
@@ -108,13 +114,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         for i in range(args.requests)
     ]
-    grammar = Grammar("json_schema", json.dumps(SCHEMA))
+    grammar = Grammar("json_schema", json.dumps(SCHEMAS[args.schema]))
+    engine_name = route(grammar).engine
     constrained_prompts = [tok(f"Person {i} as JSON:").input_ids for i in range(args.constrained)]
     constrained = [
         (f"json-{i}", p, SamplingParams(max_tokens=200, temperature=0, grammar=grammar))
         for i, p in enumerate(constrained_prompts)
     ]
-    run_batch(engine, free[:1] + constrained[:1])  # warm-up: the llguidance tokenizer, kernels
+    run_batch(
+        engine, free[:1] + constrained[:1]
+    )  # warm-up: the grammar engine's tokenizer, kernels
     ratios: list[float] = []
     # the twins' lengths: what the constrained requests reach (greedy: the same every round)
     _, lengths, _ = run_batch(engine, free + constrained)
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios.append(a / b)
         print(
             f"round {r + 1}: free requests {a * 1000:.2f} ms/token beside constrained ones, "
-            f"{b * 1000:.2f} beside unconstrained twins: {a / b:.3f}x; llguidance "
+            f"{b * 1000:.2f} beside unconstrained twins: {a / b:.3f}x; {engine_name} "
             f"{grammar_s * 1000 / steps:.2f} ms per step ({steps} steps, "
             f"{args.constrained} constrained requests, mean length "
             f"{statistics.mean(lengths_now[c[0]] for c in constrained):.0f} tokens)"

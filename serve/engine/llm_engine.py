@@ -35,7 +35,7 @@ from serve.lora.manager import LoraConfig
 from serve.model.compilation import why_not_compilable
 from serve.model.cpu_linear import can_prepack, prepack_linears
 from serve.model.fused_layers import fuse_decoder_layers
-from serve.model.grammar import GrammarBackend, GrammarError
+from serve.model.grammar import Bitmasks, GrammarBackend, GrammarError
 from serve.model.host_memory import keep_freed_memory
 from serve.model.model_runner import (
     ModelRunner,
@@ -240,7 +240,7 @@ class LLMEngine:
         masks = self.grammars.start_masks([c.request_id for c in out.chunks if c.sample])
         inputs, logits = self.runner.execute(out)
         clock.lap("model")
-        tokens = self._sample(inputs, logits, masks.result() if masks is not None else {})
+        tokens = self._sample(inputs, logits, masks.result() if masks is not None else None)
         self._record_prompt_logprobs(out, inputs, logits)
         clock.lap("sample")
         return tokens
@@ -255,7 +255,7 @@ class LLMEngine:
         return StepFailed(ids, cause)
 
     def _sample(
-        self, inputs: StepInputs, logits: torch.Tensor, masks: dict[str, torch.Tensor]
+        self, inputs: StepInputs, logits: torch.Tensor, masks: Bitmasks | None
     ) -> dict[str, int]:
         """Sample for every request whose chunk reached its end and that wants a token."""
         ids = [r for r in inputs.sample_rows if self._wants_token(r)]
@@ -263,10 +263,11 @@ class LLMEngine:
             return {}
         requests = [self.scheduler.requests[r] for r in ids]
         rows = [inputs.sample_rows[r] for r in ids]
-        sample_inputs = [self._sample_input(r, masks.get(r.request_id)) for r in requests]
+        sample_inputs = [self._sample_input(r) for r in requests]
+        allowed = masks.aligned(ids) if masks is not None else None
         tokens = {}
         for request, s in zip(
-            requests, self.sampler.sample(select_rows(logits, rows), sample_inputs)
+            requests, self.sampler.sample(select_rows(logits, rows), sample_inputs, allowed)
         ):
             tokens[request.request_id] = s.token_id
             if s.logprobs is not None:
@@ -274,10 +275,12 @@ class LLMEngine:
         self.grammars.consume(tokens)
         return tokens
 
-    def _sample_input(self, request: Request, allowed: torch.Tensor | None) -> SampleInput:
+    def _sample_input(self, request: Request) -> SampleInput:
         params = request.sampling_params
-        if not params.changes_logits:
-            return SampleInput(params, self.sampler.generator_for(request.request_id, params.seed))
+        constrained = request.request_id in self.grammars.matchers
+        if not params.processes_row:  # at most a grammar's mask, read from the step's bitmasks
+            generator = self.sampler.generator_for(request.request_id, params.seed)
+            return SampleInput(params, generator, constrained=constrained)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         return SampleInput(
             params,
@@ -285,7 +288,7 @@ class LLMEngine:
             request.prompt_token_ids,
             request.output_token_ids,
             stop_ids,
-            allowed,
+            constrained,
         )
 
     def _record_prompt_logprobs(

@@ -24,7 +24,7 @@ from serve.core.sampling_params import Grammar, SamplingParams
 from serve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed, Tracked
 from serve.engine.llm_engine import RequestOutput
 from serve.http.protocol import SamplingFields, error_body, now
-from serve.model.grammar import GrammarError, grammar_text
+from serve.model.grammar_engines import GrammarError, route
 
 
 class ClientGone(Exception):
@@ -170,7 +170,7 @@ def checked_grammar(body: SamplingFields) -> Grammar | None:
     grammar = body.grammar()
     if grammar is not None:
         try:
-            grammar_text(grammar)
+            route(grammar)
         except GrammarError as e:
             param = "structured_outputs" if body.structured_outputs else "response_format"
             raise RequestError(400, str(e), param) from e

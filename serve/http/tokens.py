@@ -94,7 +94,9 @@ async def version(server: Server) -> dict[str, Any]:
         "version": _version("workbench"),
         "features": {
             "structured_outputs": {
-                "backend": f"llguidance {_version('llguidance')}",
+                "backend": f"xgrammar {_version('xgrammar')}",
+                "fallback": f"llguidance {_version('llguidance')}",
+                "fallback_for": "Lark grammars; JSON schemas with keywords xgrammar ignores",
                 "kinds": list(GRAMMAR_KINDS),
                 "request_fields": ["response_format", "structured_outputs"],
             },

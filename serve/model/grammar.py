@@ -1,82 +1,60 @@
-"""Structured output through llguidance: a grammar per request, a token mask per step.
+"""Structured output: one matcher per constrained request, one token mask per step.
 
-Model: a `Grammar` (JSON schema, any JSON object, regex, a list of choices, Lark) is turned into
-llguidance's grammar text and checked once per distinct grammar (`grammar_text`, cached), before
-the request reaches the engine, so a construct llguidance cannot honour is a client error naming
-it. Each request then gets its own `LLMatcher` (its parser state). A step's masks (the tokens that
-keep each output inside its grammar) are computed for all constrained requests at once: in a
-worker thread while the model runs, through llguidance's thread pool, when cores are free for it
-(`overlap`: the forward runs on a GPU; llguidance releases the GIL), else one after another
-before the forward (on a CPU whose cores all run the forward, a thread beside it slowed the
-forward by more than the masks cost, and waking the pool cost more than the work: 16 matchers
-consume their tokens in 0.03 ms one by one, 0.15 ms through the pool). After sampling, the
-matchers consume their tokens the same way. Once the grammar is complete only end-of-sequence
-is allowed, so a request ends by itself. JSON is compact (no free whitespace between tokens), so
-a model cannot spend its tokens on blank lines.
+Model: each request's grammar is enforced by the engine `grammar_engines.route` chose for it
+(xgrammar for JSON schemas, JSON objects, regexes and choices it enforces exactly; llguidance for
+Lark grammars and the schemas xgrammar would not enforce exactly), with its own matcher (its
+parser state). A step's masks (the tokens that keep each output inside its grammar) are computed
+for all constrained requests at once into one packed bitmask (32 tokens a word, both engines'
+layout; the sampler reads it as is, `greedy.argmax_rows`): xgrammar's matchers in one batched call, llguidance's one after another. On a CPU this
+runs before the forward, on the forward's thread (a worker thread beside a forward that uses
+every core slowed the forward by more than the masks cost); with `overlap` (the forward runs on
+a GPU) in a worker thread while the model runs. After sampling, the matchers consume their
+tokens the same way. Once a grammar is complete, or a matcher has rejected a token, only
+end-of-sequence is allowed, so the request ends by itself.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from serve.core.sampling_params import Grammar
+from serve.model.grammar_engines import (
+    JSON_SEPARATORS,
+    GrammarError,
+    _llguidance,
+    _xgrammar,
+    route,
+)
 
 if TYPE_CHECKING:
-    import llguidance
     from transformers import PreTrainedTokenizerBase
 
-JSON_OPTIONS = {"whitespace_flexible": False}
+__all__ = ["Bitmasks", "GrammarBackend", "GrammarError"]
 
 
-class GrammarError(ValueError):
-    """A grammar this server cannot honour; the message names the construct."""
+@dataclass(frozen=True)
+class Bitmasks:
+    """A step's next-token masks, packed (bit t % 32 of int32 word t / 32 allows token t): row
+    `rows[request id]` of `words` ([requests, ceil(vocab / 32)]); unconstrained rows allow all."""
 
+    rows: dict[str, int]
+    words: torch.Tensor
 
-def _llguidance() -> Any:
-    try:
-        import llguidance
-        import llguidance.hf
-    except ImportError as e:  # pragma: no cover - a declared dependency
-        raise GrammarError("structured output needs the llguidance package") from e
-    return llguidance
-
-
-@functools.lru_cache(maxsize=256)
-def grammar_text(grammar: Grammar) -> str:
-    """llguidance's grammar for `grammar`, checked; raises `GrammarError` naming the problem."""
-    llg = _llguidance()
-    kind, spec = grammar.kind, grammar.spec
-    try:
-        if kind == "json_object":
-            text = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
-        elif kind == "json_schema":
-            text = llg.LLMatcher.grammar_from_json_schema(json.loads(spec), JSON_OPTIONS)
-        elif kind == "regex":
-            text = llg.LLMatcher.grammar_from_regex(spec)
-        elif kind == "choice":
-            choices = json.loads(spec)
-            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-            text = llg.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-        else:
-            text = llg.LLMatcher.grammar_from_lark(spec)
-    except ValueError as e:
-        raise GrammarError(f"the {kind} is not valid: {e}") from e
-    error = llg.LLMatcher.validate_grammar(text)
-    if error:
-        raise GrammarError(f"the {kind} cannot be enforced by this server: {error}")
-    return text
+    def aligned(self, request_ids: list[str]) -> torch.Tensor:
+        """The rows of these requests, in this order."""
+        index = [self.rows[r] for r in request_ids]
+        if index == list(range(len(self.rows))):
+            return self.words
+        return self.words[index]
 
 
 class GrammarBackend:
-    """The engine's side: the tokenizer as llguidance sees it (built on first use, about a
-    second) and one matcher per constrained request. `overlap`: compute masks beside the
-    forward."""
+    """The engine's side: both engines' views of the tokenizer (each built on first use, 0.2-1.5
+    s for a 49k-262k vocabulary) and one matcher per constrained request."""
 
     def __init__(
         self,
@@ -86,71 +64,118 @@ class GrammarBackend:
         overlap: bool = False,
     ) -> None:
         self.hf_tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
-        self._tokenizer: llguidance.LLTokenizer | None = None
-        self.matchers: dict[str, llguidance.LLMatcher] = {}
-        self._byte_bits = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).to(torch.uint8)
-        self._worker: ThreadPoolExecutor | None = None
-        self._executor: llguidance.LLExecutor | None = None
+        self.matchers: dict[str, Any] = {}
+        """request id: its xgrammar `GrammarMatcher` or llguidance `LLMatcher`."""
+        self.batched: set[str] = set()
+        """The requests whose matchers are xgrammar's (masks and tokens in batched calls)."""
+        self.ended: set[str] = set()
+        """Requests whose matcher accepted end-of-sequence or rejected a token."""
         self.overlap = overlap
+        self._llg_tokenizer: Any = None
+        self._xgr_compiler: Any = None
+        self._xgr_batch: Any = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._eos_words = self._words_allowing(eos_ids)
 
-    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            llg = _llguidance()
-            self._tokenizer = llg.hf.from_tokenizer(
+    def _words_allowing(self, token_ids: list[int]) -> torch.Tensor:
+        words = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int64)
+        for t in token_ids:
+            words[t // 32] |= 1 << (t % 32)
+        return words.view(torch.int32)[::2].clone()  # each word's low half (little-endian)
+
+    def _llguidance_matcher(self, text: str) -> Any:
+        llg = _llguidance()
+        if self._llg_tokenizer is None:
+            self._llg_tokenizer = llg.hf.from_tokenizer(
                 self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids
             )
-        return self._tokenizer
+        return llg.LLMatcher(self._llg_tokenizer, text, log_level=0)
+
+    def _xgrammar_matcher(self, kind: str, text: str) -> Any:
+        xgr = _xgrammar()
+        if self._xgr_compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids
+            )
+            self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1)  # caches by source
+            self._xgr_batch = xgr.BatchGrammarMatcher(max_threads="auto" if self.overlap else 1)
+        compiler = self._xgr_compiler
+        if kind == "json":
+            compiled = compiler.compile_json_schema(
+                text, any_whitespace=False, separators=JSON_SEPARATORS
+            )
+        elif kind == "regex":
+            compiled = compiler.compile_regex(text)
+        else:
+            compiled = compiler.compile_grammar(text)
+        return xgr.GrammarMatcher(compiled)
 
     def add(self, request_id: str, grammar: Grammar) -> None:
-        llg = _llguidance()
-        matcher = llg.LLMatcher(self._llg_tokenizer(), grammar_text(grammar), log_level=0)
+        chosen = route(grammar)
+        if chosen.engine == "xgrammar":
+            self.matchers[request_id] = self._xgrammar_matcher(*chosen.source)
+            self.batched.add(request_id)
+            return
+        matcher = self._llguidance_matcher(chosen.source[1])
         if matcher.is_error():
             raise GrammarError(f"the {grammar.kind} cannot be enforced: {matcher.get_error()}")
         self.matchers[request_id] = matcher
 
     def release(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+        self.batched.discard(request_id)
+        self.ended.discard(request_id)
 
-    def start_masks(self, request_ids: list[str]) -> Future[dict[str, torch.Tensor]] | None:
-        """Begin computing the next-token masks of these requests (those without a grammar are
-        skipped); the future gives {request id: bool [vocab]}. None when none has a grammar."""
-        constrained = [r for r in request_ids if r in self.matchers]
-        if not constrained:
+    def start_masks(self, request_ids: list[str]) -> Future[Bitmasks] | None:
+        """Begin computing the next-token bitmasks of these requests (rows of those without a
+        grammar allow every token). None when none has a grammar."""
+        if not any(r in self.matchers for r in request_ids):
             return None
-        if self._executor is None and self.overlap:
-            self._executor = _llguidance().LLExecutor()
-        matchers = [self.matchers[r] for r in constrained]
         if not self.overlap:  # no core to spare: computed here, before the forward
-            done: Future[dict[str, torch.Tensor]] = Future()
-            done.set_result(self._masks(constrained, matchers))
+            done: Future[Bitmasks] = Future()
+            done.set_result(self._masks(request_ids))
             return done
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        return self._worker.submit(self._masks, constrained, matchers)
+        return self._worker.submit(self._masks, request_ids)
 
-    def _masks(self, request_ids: list[str], matchers: list[Any]) -> dict[str, torch.Tensor]:
-        words = torch.zeros((len(matchers), (self.vocab_size + 31) // 32), dtype=torch.int32)
+    def _masks(self, request_ids: list[str]) -> Bitmasks:
+        words = torch.full((len(request_ids), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         row_bytes = words.shape[1] * 4
-        if self.overlap:  # cores to spare: llguidance's thread pool, one call
-            assert self._executor is not None
-            pairs = [(m, i) for i, m in enumerate(matchers)]
-            self._executor.unsafe_compute_mask_ptr(pairs, words.data_ptr(), row_bytes, len(words))
-        else:  # the forward's cores: one after another, no pool to wake
-            for i, m in enumerate(matchers):
-                m.unsafe_compute_mask_ptr(words.data_ptr() + i * row_bytes, row_bytes)
-        # each byte of the little-endian words looked up as its 8 bits (4x faster than shifts
-        # at a 50k vocabulary)
-        bits = F.embedding(words.view(torch.uint8).int(), self._byte_bits)
-        allowed = bits.flatten(1)[:, : self.vocab_size].bool()
-        return dict(zip(request_ids, allowed))
+        batched: list[Any] = []
+        batched_rows: list[int] = []
+        for i, request_id in enumerate(request_ids):
+            matcher = self.matchers.get(request_id)
+            if matcher is None:
+                continue
+            if request_id in self.ended:
+                words[i] = self._eos_words
+            elif request_id in self.batched:
+                batched.append(matcher)
+                batched_rows.append(i)
+            else:
+                matcher.unsafe_compute_mask_ptr(words.data_ptr() + i * row_bytes, row_bytes)
+        if batched:
+            self._xgr_batch.batch_fill_next_token_bitmask(batched, words, batched_rows)
+        return Bitmasks({r: i for i, r in enumerate(request_ids)}, words)
 
     def consume(self, tokens: dict[str, int]) -> None:
         """Advance the matchers of the constrained requests among `tokens` (request id: the
         token it sampled)."""
-        pairs = [(m, t) for r, t in tokens.items() if (m := self.matchers.get(r)) is not None]
-        if pairs and self.overlap:
-            assert self._executor is not None  # created with the step's masks
-            self._executor.consume_token_par(pairs)
-        else:  # 16 tokens in 0.03 ms, against 0.15 ms through the pool (2 cores, vocab 512)
-            for matcher, token in pairs:
+        batched: list[tuple[str, Any, int]] = []
+        for request_id, token in tokens.items():
+            matcher = self.matchers.get(request_id)
+            if matcher is None or request_id in self.ended:
+                continue
+            if request_id in self.batched:
+                batched.append((request_id, matcher, token))
+            else:  # llguidance ends a matcher itself: its masks allow only end-of-sequence then
                 matcher.consume_token(token)
+        if not batched:
+            return
+        accepted = self._xgr_batch.batch_accept_token(
+            [m for _, m, _ in batched], [t for _, _, t in batched]
+        )
+        for (request_id, _, token), ok in zip(batched, accepted):
+            if not ok or token in self.eos_ids:  # only a stop token ends an xgrammar matcher
+                self.ended.add(request_id)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from serve.core.sampling_params import SamplingParams
-from serve.model.greedy import argmax_rows
+from serve.model.greedy import argmax_rows, unpack_allowed
 from serve.model.logits_processors import process, truncate
 
 MIN_LOGPROB = -9999.0
@@ -36,8 +36,8 @@ class SampleInput:
     output_token_ids: Sequence[int] = ()
     stop_token_ids: Collection[int] = ()
     """End-of-sequence and stop ids: masked while fewer than min_tokens are out."""
-    allowed: torch.Tensor | None = None
-    """The tokens a grammar allows next (bool, [vocab]); None: any."""
+    constrained: bool = False
+    """A grammar limits the next token (its row of `sample`'s `allowed` bitmask)."""
 
     @property
     def plain(self) -> bool:
@@ -47,7 +47,7 @@ class SampleInput:
     @property
     def masked_greedy(self) -> bool:
         """Greedy, and only a grammar's mask changes the logits: batched with its likes."""
-        return self.params.greedy and self.allowed is not None and not self.params.processes_row
+        return self.params.greedy and self.constrained and not self.params.processes_row
 
 
 @dataclass(frozen=True)
@@ -114,22 +114,23 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, inputs: list[SampleInput]) -> list[Sampled]:
-        """logits: float32 [len(inputs), vocab], on any device."""
-        token_ids = argmax_rows(logits)  # the plain rows' tokens; the others redrawn
-        masked = [k for k, i in enumerate(inputs) if i.masked_greedy]
-        if masked:
-            allowed = torch.stack([inputs[k].allowed for k in masked]).to(logits.device)  # type: ignore[misc]
-            picks = logits[masked].masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
-            for k, pick in zip(masked, picks):
-                token_ids[k] = pick
+    def sample(
+        self, logits: torch.Tensor, inputs: list[SampleInput], allowed: torch.Tensor | None = None
+    ) -> list[Sampled]:
+        """logits: float32 [len(inputs), vocab], on any device; `allowed`: the grammars' packed
+        bitmasks (int32 [len(inputs), ceil(vocab / 32)], every bit set in unconstrained rows)."""
+        # the plain and grammar-masked greedy rows' tokens in one pass; the others redrawn
+        token_ids = argmax_rows(logits, allowed)
         others = [k for k, i in enumerate(inputs) if not (i.plain or i.masked_greedy)]
         if others:
             # NOTE: on the CPU each row is a view (a gather of every row would copy megabytes
             # of logits per step); elsewhere the rows come to the host in one transfer.
             rows = (logits[k] for k in others) if logits.is_cpu else logits[others].cpu()
             for k, row in zip(others, rows):
-                token_ids[k] = self._one(row, inputs[k])
+                mask = None
+                if inputs[k].constrained and allowed is not None:
+                    mask = unpack_allowed(allowed[k].cpu(), row.shape[-1])
+                token_ids[k] = self._one(row, inputs[k], mask)
         return [
             Sampled(
                 t,
@@ -140,8 +141,9 @@ class Sampler:
             for row, t, i in zip(logits, token_ids, inputs)
         ]
 
-    def _one(self, row: torch.Tensor, item: SampleInput) -> int:
-        """A row that is not plain (`sample` took those in one argmax)."""
+    def _one(self, row: torch.Tensor, item: SampleInput, allowed: torch.Tensor | None) -> int:
+        """A row that is not plain (`sample` took those in one argmax); `allowed`: its grammar's
+        mask (bool [vocab])."""
         if item.params.changes_logits:
             row = process(
                 row,
@@ -149,7 +151,7 @@ class Sampler:
                 item.prompt_token_ids,
                 item.output_token_ids,
                 item.stop_token_ids,
-                item.allowed,
+                allowed,
             )
         if item.params.greedy:
             return int(row.nan_to_num(nan=float("-inf")).argmax())

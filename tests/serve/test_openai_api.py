@@ -243,7 +243,8 @@ def test_version_says_what_the_server_supports(server: ThreadServer) -> None:
     body = httpx.get(f"{server.url}/version").json()
     assert body["version"]
     features = body["features"]
-    assert features["structured_outputs"]["backend"].startswith("llguidance ")
+    assert features["structured_outputs"]["backend"].startswith("xgrammar ")
+    assert features["structured_outputs"]["fallback"].startswith("llguidance ")
     assert "json_schema" in features["structured_outputs"]["kinds"]
     assert {"logit_bias", "min_p", "repetition_penalty"} <= set(features["sampling"])
     assert features["logprobs"]["streamed"] is True

@@ -1,6 +1,8 @@
 /* Greedy sampling's argmax over float32 logits rows, as torch.argmax defines it: the first
  * index of the row's largest value; a row holding NaN gives its first NaN (NaN compares above
- * every number); a row of -inf gives 0.
+ * every number); a row of -inf gives 0. `argmax_allowed_f32`: the same over the tokens a packed
+ * bitmask allows (bit t % 32 of word t / 32), as torch.argmax of the row with every other value
+ * set to -inf: the first allowed NaN, else the first index of the largest allowed value, else 0.
  *
  * Layout: `rows` rows of `dim` values, a row's values contiguous, rows `stride` values apart;
  * out: one int64 per row. One pass over a row keeps each of 16 lanes' largest value and its
@@ -63,6 +65,59 @@ static int64_t argmax_row(const float *x, int64_t dim) {
             if (x[j] != x[j]) return j;
     }
     return best_at; /* 0 for a row of -inf, as torch */
+}
+
+/* One row through its bitmask: words of 32 allowed tokens in 16 lanes, as `argmax_row`; other
+ * words token by token; a word of none skipped. */
+static int64_t argmax_allowed_row(const float *x, int64_t dim, const int32_t *words) {
+    const f32x8 zero = {0}, lowest = zero - INFINITY;
+    const i32x8 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
+    f32x8 acc0 = lowest, acc1 = lowest, flag0 = zero, flag1 = zero;
+    i32x8 at0 = lanes, at1 = lanes + 8;
+    float best = -INFINITY, flag = 0.0f;
+    int64_t best_at = 0;
+    const int64_t full = dim < INT32_MAX ? dim / 32 : 0;
+    for (int64_t w = 0; w * 32 < dim; w++) {
+        const int64_t i = w * 32;
+        uint32_t bits = (uint32_t)words[w];
+        if (w < full && bits == 0xffffffffu) {
+            for (int64_t k = i; k < i + 32; k += 16) {
+                const f32x8 a = load8(x + k), b = load8(x + k + 8);
+                keep_larger(&acc0, &at0, a, lanes + (int32_t)k);
+                keep_larger(&acc1, &at1, b, lanes + (int32_t)(k + 8));
+                flag0 += a * zero;
+                flag1 += b * zero;
+            }
+            continue;
+        }
+        for (; bits; bits &= bits - 1) {
+            const int64_t t = i + __builtin_ctz(bits);
+            if (t >= dim) break;
+            if (x[t] > best || (x[t] == best && t < best_at)) best = x[t], best_at = t;
+            flag += x[t] * 0.0f;
+        }
+    }
+    for (int l = 0; l < 8; l++) {
+        const float v[2] = {acc0[l], acc1[l]};
+        const int64_t where[2] = {at0[l], at1[l]};
+        for (int k = 0; k < 2; k++) {
+            if (v[k] > best || (v[k] == best && where[k] < best_at)) best = v[k], best_at = where[k];
+        }
+        flag += flag0[l] + flag1[l];
+    }
+    if (flag != flag) { /* rare: the first allowed NaN wins if there is one */
+        for (int64_t t = 0; t < dim; t++)
+            if (((uint32_t)words[t / 32] >> (t % 32)) & 1u && x[t] != x[t]) return t;
+    }
+    return best == -INFINITY ? 0 : best_at;
+}
+
+int argmax_allowed_f32(const float *x, int64_t stride, int64_t rows, int64_t dim,
+                       const int32_t *words, int64_t words_stride, int64_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows > 1 && rows * dim >= PARALLEL_VALUES)
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = argmax_allowed_row(x + r * stride, dim, words + r * words_stride);
+    return 0;
 }
 
 int argmax_f32(const float *x, int64_t stride, int64_t rows, int64_t dim, int64_t *out,
