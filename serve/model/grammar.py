@@ -63,7 +63,10 @@ class GrammarBackend:
         eos_ids: list[int],
         overlap: bool = False,
     ) -> None:
-        self.hf_tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
+        self.hf_tokenizer, self.vocab_size = tokenizer, vocab_size
+        # NOTE: a config may name an end-of-sequence id the model's vocabulary lacks (GPT-2's
+        # 50256 on a small vocabulary); no logits row can pick it, so no mask allows it.
+        self.eos_ids = [t for t in eos_ids if 0 <= t < vocab_size]
         self.matchers: dict[str, Any] = {}
         """request id: its xgrammar `GrammarMatcher` or llguidance `LLMatcher`."""
         self.batched: set[str] = set()
@@ -75,7 +78,7 @@ class GrammarBackend:
         self._xgr_compiler: Any = None
         self._xgr_batch: Any = None
         self._worker: ThreadPoolExecutor | None = None
-        self._eos_words = self._words_allowing(eos_ids)
+        self._eos_words = self._words_allowing(self.eos_ids)
 
     def _words_allowing(self, token_ids: list[int]) -> torch.Tensor:
         words = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int64)
@@ -87,7 +90,7 @@ class GrammarBackend:
         llg = _llguidance()
         if self._llg_tokenizer is None:
             self._llg_tokenizer = llg.hf.from_tokenizer(
-                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids
+                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids or None
             )
         return llg.LLMatcher(self._llg_tokenizer, text, log_level=0)
 
@@ -95,7 +98,7 @@ class GrammarBackend:
         xgr = _xgrammar()
         if self._xgr_compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(
-                self.hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids
+                self.hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids or None
             )
             self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1)  # caches by source
             self._xgr_batch = xgr.BatchGrammarMatcher(max_threads="auto" if self.overlap else 1)

@@ -284,3 +284,17 @@ def test_an_engine_batch_of_every_sampling_path_under_grammars(tiny_model_dir: P
     assert out[1].text == "yes" or (out[1].text[:3] == "no " and out[1].text[3].isdigit())
     assert len(out[3].text) == 4 and set(out[3].text) <= set("abc")
     assert out[4].token_ids == llm.generate(["the river"], free)[0].token_ids
+
+
+def test_an_end_of_sequence_id_outside_the_vocabulary_is_left_out(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """GPT-2's config names 50256 as end-of-sequence on a model of 512 tokens: the backend (built
+    with every engine) starts, and an ended matcher allows the id the vocabulary has."""
+    eos = tokenizer.eos_token_id
+    backend = GrammarBackend(tokenizer, len(tokenizer), [50_256, eos])
+    assert backend.eos_ids == [eos]
+    backend.add("done", Grammar("choice", '["ab"]'))
+    for token in [*tokenizer.encode("ab", add_special_tokens=False), eos]:
+        backend.consume({"done": token})
+    assert allowed_tokens(backend, ["done"]) == {"done": [eos]}
