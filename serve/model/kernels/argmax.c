@@ -31,31 +31,51 @@ static inline void keep_larger(f32x8 *acc, i32x8 *at, f32x8 v, i32x8 index) {
     *at = (index & larger) | (*at & ~larger);
 }
 
-static int64_t argmax_row(const float *x, int64_t dim) {
-    const f32x8 zero = {0}, lowest = zero - INFINITY;
+/* 16 lanes' largest values and their first indices, and whether a lane met a NaN or an inf. */
+typedef struct {
+    f32x8 acc0, acc1, flag0, flag1;
+    i32x8 at0, at1;
+} Lanes;
+
+static inline Lanes lanes_start(void) {
+    const f32x8 zero = {0};
     const i32x8 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
-    f32x8 acc0 = lowest, acc1 = lowest, flag0 = zero, flag1 = zero;
-    i32x8 at0 = lanes, at1 = lanes + 8;
+    return (Lanes){zero - INFINITY, zero - INFINITY, zero, zero, lanes, lanes + 8};
+}
+
+/* Values i .. i + 15 of x into the lanes (i < INT32_MAX). */
+static inline void lanes_add16(Lanes *l, const float *x, int64_t i) {
+    const f32x8 zero = {0};
+    const i32x8 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
+    const f32x8 a = load8(x + i), b = load8(x + i + 8);
+    keep_larger(&l->acc0, &l->at0, a, lanes + (int32_t)i);
+    keep_larger(&l->acc1, &l->at1, b, lanes + (int32_t)(i + 8));
+    l->flag0 += a * zero; /* NaN once the lane met a NaN or an inf */
+    l->flag1 += b * zero;
+}
+
+/* The lanes folded into a running best (the earlier index on a tie) and NaN flag. */
+static inline void lanes_merge(const Lanes *l, float *best, int64_t *best_at, float *flag) {
+    for (int k = 0; k < 8; k++) {
+        const float v[2] = {l->acc0[k], l->acc1[k]};
+        const int64_t where[2] = {l->at0[k], l->at1[k]};
+        for (int j = 0; j < 2; j++) {
+            if (v[j] > *best || (v[j] == *best && where[j] < *best_at))
+                *best = v[j], *best_at = where[j];
+        }
+        *flag += l->flag0[k] + l->flag1[k];
+    }
+}
+
+static int64_t argmax_row(const float *x, int64_t dim) {
+    Lanes lanes = lanes_start();
     int64_t i = 0;
     if (dim < INT32_MAX) {
-        for (; i + 16 <= dim; i += 16) {
-            const f32x8 a = load8(x + i), b = load8(x + i + 8);
-            keep_larger(&acc0, &at0, a, lanes + (int32_t)i);
-            keep_larger(&acc1, &at1, b, lanes + (int32_t)(i + 8));
-            flag0 += a * zero; /* NaN once the lane met a NaN or an inf */
-            flag1 += b * zero;
-        }
+        for (; i + 16 <= dim; i += 16) lanes_add16(&lanes, x, i);
     }
     float best = -INFINITY, flag = 0.0f;
     int64_t best_at = 0;
-    for (int l = 0; l < 8; l++) {
-        const float v[2] = {acc0[l], acc1[l]};
-        const int64_t where[2] = {at0[l], at1[l]};
-        for (int k = 0; k < 2; k++) {
-            if (v[k] > best || (v[k] == best && where[k] < best_at)) best = v[k], best_at = where[k];
-        }
-        flag += flag0[l] + flag1[l];
-    }
+    lanes_merge(&lanes, &best, &best_at, &flag);
     for (; i < dim; i++) {
         if (x[i] > best) best = x[i], best_at = i;
         flag += x[i] * 0.0f;
@@ -67,13 +87,10 @@ static int64_t argmax_row(const float *x, int64_t dim) {
     return best_at; /* 0 for a row of -inf, as torch */
 }
 
-/* One row through its bitmask: words of 32 allowed tokens in 16 lanes, as `argmax_row`; other
+/* One row through its bitmask: words of 32 allowed tokens in the lanes, as `argmax_row`; other
  * words token by token; a word of none skipped. */
 static int64_t argmax_allowed_row(const float *x, int64_t dim, const int32_t *words) {
-    const f32x8 zero = {0}, lowest = zero - INFINITY;
-    const i32x8 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
-    f32x8 acc0 = lowest, acc1 = lowest, flag0 = zero, flag1 = zero;
-    i32x8 at0 = lanes, at1 = lanes + 8;
+    Lanes lanes = lanes_start();
     float best = -INFINITY, flag = 0.0f;
     int64_t best_at = 0;
     const int64_t full = dim < INT32_MAX ? dim / 32 : 0;
@@ -81,13 +98,8 @@ static int64_t argmax_allowed_row(const float *x, int64_t dim, const int32_t *wo
         const int64_t i = w * 32;
         uint32_t bits = (uint32_t)words[w];
         if (w < full && bits == 0xffffffffu) {
-            for (int64_t k = i; k < i + 32; k += 16) {
-                const f32x8 a = load8(x + k), b = load8(x + k + 8);
-                keep_larger(&acc0, &at0, a, lanes + (int32_t)k);
-                keep_larger(&acc1, &at1, b, lanes + (int32_t)(k + 8));
-                flag0 += a * zero;
-                flag1 += b * zero;
-            }
+            lanes_add16(&lanes, x, i);
+            lanes_add16(&lanes, x, i + 16);
             continue;
         }
         for (; bits; bits &= bits - 1) {
@@ -97,14 +109,7 @@ static int64_t argmax_allowed_row(const float *x, int64_t dim, const int32_t *wo
             flag += x[t] * 0.0f;
         }
     }
-    for (int l = 0; l < 8; l++) {
-        const float v[2] = {acc0[l], acc1[l]};
-        const int64_t where[2] = {at0[l], at1[l]};
-        for (int k = 0; k < 2; k++) {
-            if (v[k] > best || (v[k] == best && where[k] < best_at)) best = v[k], best_at = where[k];
-        }
-        flag += flag0[l] + flag1[l];
-    }
+    lanes_merge(&lanes, &best, &best_at, &flag);
     if (flag != flag) { /* rare: the first allowed NaN wins if there is one */
         for (int64_t t = 0; t < dim; t++)
             if (((uint32_t)words[t / 32] >> (t % 32)) & 1u && x[t] != x[t]) return t;
