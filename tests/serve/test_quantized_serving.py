@@ -92,3 +92,19 @@ def test_qlora_adapter_on_quantized_base_in_a_mixed_batch(
                     do_sample=False,
                 )
                 assert outputs[f"{i}-{name}"] == ref[0, len(c.prompt) :].tolist(), f"{i}-{name}"
+
+
+def test_int8_server_log_says_the_bitsandbytes_cast_once(
+    quantized: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """bitsandbytes logs "inputs will be cast from torch.float32 to float16" on every int8
+    product: 145,000 lines (21 MB) in one demo server's log. Loaded through `load_model`, each
+    distinct message is logged once."""
+    from compress.load_spec import BITSANDBYTES_MATMUL_LOGGER, load_model
+
+    model = load_model(quantized["int8"])
+    with caplog.at_level("WARNING", logger=BITSANDBYTES_MATMUL_LOGGER), torch.inference_mode():
+        for _ in range(3):
+            model(torch.tensor([[5, 6, 7]]))
+    casts = [r for r in caplog.records if r.name == BITSANDBYTES_MATMUL_LOGGER]
+    assert len(casts) == 1 and "will be cast" in casts[0].getMessage()
