@@ -121,9 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         (f"json-{i}", p, SamplingParams(max_tokens=200, temperature=0, grammar=grammar))
         for i, p in enumerate(constrained_prompts)
     ]
-    run_batch(
-        engine, free[:1] + constrained[:1]
-    )  # warm-up: the grammar engine's tokenizer, kernels
+    # warm-up: the grammar engine's tokenizer, kernels
+    run_batch(engine, free[:1] + constrained[:1])
     ratios: list[float] = []
     # the twins' lengths: what the constrained requests reach (greedy: the same every round)
     _, lengths, _ = run_batch(engine, free + constrained)

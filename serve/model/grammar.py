@@ -5,8 +5,8 @@ Model: each request's grammar is enforced by the engine `grammar_engines.route` 
 Lark grammars and the schemas xgrammar would not enforce exactly), with its own matcher (its
 parser state). A step's masks (the tokens that keep each output inside its grammar) are computed
 for all constrained requests at once into one packed bitmask (32 tokens a word, both engines'
-layout; the sampler reads it as is, `greedy.argmax_rows`): xgrammar's matchers in one batched call, llguidance's one after another. On a CPU this
-runs before the forward, on the forward's thread (a worker thread beside a forward that uses
+layout; the sampler reads it as is, `greedy.argmax_rows`): xgrammar's matchers in one batched
+call, llguidance's one after another. On a CPU this runs before the forward, on the forward's thread (a worker thread beside a forward that uses
 every core slowed the forward by more than the masks cost); with `overlap` (the forward runs on
 a GPU) in a worker thread while the model runs. After sampling, the matchers consume their
 tokens the same way. Once a grammar is complete, or a matcher has rejected a token, only
@@ -29,6 +29,7 @@ from serve.model.grammar_engines import (
     _xgrammar,
     route,
 )
+from serve.model.greedy import pack_allowed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -78,13 +79,9 @@ class GrammarBackend:
         self._xgr_compiler: Any = None
         self._xgr_batch: Any = None
         self._worker: ThreadPoolExecutor | None = None
-        self._eos_words = self._words_allowing(self.eos_ids)
-
-    def _words_allowing(self, token_ids: list[int]) -> torch.Tensor:
-        words = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int64)
-        for t in token_ids:
-            words[t // 32] |= 1 << (t % 32)
-        return words.view(torch.int32)[::2].clone()  # each word's low half (little-endian)
+        eos = torch.zeros(vocab_size, dtype=torch.bool)
+        eos[self.eos_ids] = True
+        self._eos_words = pack_allowed(eos)
 
     def _llguidance_matcher(self, text: str) -> Any:
         llg = _llguidance()

@@ -103,9 +103,10 @@ def _llguidance() -> Any:
     return llguidance
 
 
-def choices_ebnf(choices: list[str]) -> str:
-    """A choice among literal strings as xgrammar's EBNF (JSON string escapes are EBNF's)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+def alternatives(choices: list[str]) -> str:
+    """Literal strings as one rule's alternatives, in the JSON string syntax both xgrammar's EBNF
+    and llguidance's Lark read."""
+    return " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def _xgrammar_source(grammar: Grammar) -> tuple[str, str] | None:
@@ -118,7 +119,7 @@ def _xgrammar_source(grammar: Grammar) -> tuple[str, str] | None:
     if kind == "regex":
         return "regex", spec
     if kind == "choice":
-        return "ebnf", choices_ebnf(json.loads(spec))
+        return "ebnf", f"root ::= {alternatives(json.loads(spec))}"
     return None  # Lark: llguidance's dialect
 
 
@@ -160,9 +161,7 @@ def grammar_text(grammar: Grammar) -> str:
         elif kind == "regex":
             text = llg.LLMatcher.grammar_from_regex(spec)
         elif kind == "choice":
-            choices = json.loads(spec)
-            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-            text = llg.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+            text = llg.LLMatcher.grammar_from_lark(f"start: {alternatives(json.loads(spec))}")
         else:
             text = llg.LLMatcher.grammar_from_lark(spec)
     except ValueError as e:

@@ -44,6 +44,16 @@ def _byte_bits(device: torch.device) -> torch.Tensor:
     )
 
 
+def pack_allowed(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [..., vocab] as packed bitmask rows (int32 [..., ceil(vocab / 32)]), `unpack_allowed`'s
+    inverse."""
+    vocab = allowed.shape[-1]
+    bits = torch.zeros((*allowed.shape[:-1], (vocab + 31) // 32 * 32), dtype=torch.int64)
+    bits[..., :vocab] = allowed.long()
+    words = (bits.unflatten(-1, (-1, 32)) << torch.arange(32)).sum(-1)
+    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32)  # bit 31 as the sign bit
+
+
 def unpack_allowed(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Packed bitmask rows (int32 [..., ceil(vocab / 32)]) as bool [..., vocab]."""
     as_bytes = words.clone(memory_format=torch.contiguous_format).view(torch.uint8).int()

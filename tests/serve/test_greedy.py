@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve.model.greedy import argmax_rows, load_argmax, unpack_allowed
+from serve.model.greedy import argmax_rows, load_argmax, pack_allowed, unpack_allowed
 
 needs_kernel = pytest.mark.skipif(
     load_argmax() is None, reason="no C compiler (cc or $CC) to build the argmax kernel"
@@ -61,19 +61,10 @@ def masked_argmax(logits: torch.Tensor, words: torch.Tensor) -> list[int]:
     return logits.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
 
 
-def pack(allowed: torch.Tensor) -> torch.Tensor:
-    """bool [rows, vocab] as int32 words, bit t % 32 of word t / 32."""
-    rows, vocab = allowed.shape
-    bits = torch.zeros(rows, (vocab + 31) // 32 * 32, dtype=torch.int64)
-    bits[:, :vocab] = allowed.long()
-    words = (bits.view(rows, -1, 32) << torch.arange(32)).sum(-1)
-    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32)  # bit 31 as the sign bit
-
-
 def test_pack_and_unpack_round_trip() -> None:
     allowed = torch.rand(3, 100) < 0.5
     allowed[0, 31] = allowed[1, 63] = True  # the sign bit of a word
-    assert torch.equal(unpack_allowed(pack(allowed), 100), allowed)
+    assert torch.equal(unpack_allowed(pack_allowed(allowed), 100), allowed)
 
 
 @needs_kernel
@@ -93,7 +84,7 @@ def test_argmax_through_a_bitmask_equals_torch_on_the_masked_row(
     g = torch.Generator().manual_seed(seed)
     density = torch.tensor(densities[: len(rows)])[:, None]
     allowed = torch.rand(len(rows), width, generator=g) < density
-    words = pack(allowed)
+    words = pack_allowed(allowed)
     assert argmax_rows(logits, words) == masked_argmax(logits, words)
 
 
@@ -112,7 +103,7 @@ def test_argmax_through_a_bitmask_on_vocabulary_sized_rows(vocab: int) -> None:
     logits[5, 7] = float("nan")
     allowed[5, 7] = False  # a masked NaN does not win
     allowed[6] = False  # nothing allowed: 0, as torch
-    words = pack(allowed)
+    words = pack_allowed(allowed)
     assert argmax_rows(logits, words) == masked_argmax(logits, words)
     assert argmax_rows(logits[1:3], words[1:3]) == masked_argmax(logits[1:3], words[1:3])
 
@@ -126,7 +117,7 @@ def test_without_a_compiler_greedy_sampling_takes_torch_argmax(
         assert load_argmax() is None
         logits = torch.randn(4, 300)
         assert argmax_rows(logits) == logits.argmax(-1).tolist()
-        words = pack(torch.rand(4, 300) < 0.3)
+        words = pack_allowed(torch.rand(4, 300) < 0.3)
         assert argmax_rows(logits, words) == masked_argmax(logits, words)
     finally:
         monkeypatch.undo()
