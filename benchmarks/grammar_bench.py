@@ -7,9 +7,12 @@ batch pay for it.
   (b) the same free requests beside as many unconstrained twins of the constrained ones (same
       prompts, same output lengths: the lengths the constrained ones reach),
 so both batches have the same shape and differ only in the grammar. Prints per round the free
-requests' mean time per output token in (a) and (b) and their ratio, and the time spent in
-the grammar engine per step of (a): token masks and token consumption. `--schema plain` is
-enforced by xgrammar, `bounded` (string lengths) by llguidance (`serve/model/grammar_engines.py`).
+requests' mean time per output token in (a) and (b) and their ratio, the engine's time per step
+in (a) and (b) (its phase timings summed: less noisy than the requests' times), the time spent in
+the grammar engine per step of (a): token masks and token consumption, and how many masks
+were deferred (greedy xgrammar rows: the free argmax offered first) and how many of those the
+grammar rejected. `--schema plain` is enforced by xgrammar, `bounded` (string lengths) by
+llguidance (`serve/model/grammar_engines.py`).
 """
 
 from __future__ import annotations
@@ -66,9 +69,10 @@ class GrammarClock:
 
 def run_batch(
     engine: LLMEngine, batch: list[tuple[str, list[int], SamplingParams]]
-) -> tuple[dict[str, float], dict[str, int], int]:
+) -> tuple[dict[str, float], dict[str, int], int, float]:
     """Runs the batch to the end: (seconds per output token of each request, output lengths,
-    steps)."""
+    steps, the engine's phase timings summed per step in seconds)."""
+    engine_seconds = sum(engine.timings.values())
     for request_id, prompt, params in batch:
         engine.add_request(request_id, prompt, params)
     first_token: dict[str, float] = {}
@@ -86,7 +90,7 @@ def run_batch(
                 done[out.request_id] = now
                 lengths[out.request_id] = out.num_output_tokens
     per_token = {rid: (done[rid] - first_token[rid]) / max(1, lengths[rid] - 1) for rid in done}
-    return per_token, lengths, steps
+    return per_token, lengths, steps, (sum(engine.timings.values()) - engine_seconds) / steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     # warm-up: the grammar engine's tokenizer, kernels
     run_batch(engine, free[:1] + constrained[:1])
     ratios: list[float] = []
+    step_ratios: list[float] = []
     # the twins' lengths: what the constrained requests reach (greedy: the same every round)
-    _, lengths, _ = run_batch(engine, free + constrained)
+    _, lengths, _, _ = run_batch(engine, free + constrained)
     twins = [
         (
             f"twin-{i}",
@@ -136,23 +141,35 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for r in range(args.rounds):
         if r % 2:  # which batch runs first alternates round by round
-            without, _, _ = run_batch(engine, free + twins)
+            without, _, _, step_without = run_batch(engine, free + twins)
         clock.seconds = 0.0
-        with_grammar, lengths_now, steps = run_batch(engine, free + constrained)
+        counts = dict.fromkeys(engine.grammars.counts, 0)
+        engine.grammars.counts.update(counts)
+        with_grammar, lengths_now, steps, step_with = run_batch(engine, free + constrained)
         grammar_s = clock.seconds
+        counts = dict(engine.grammars.counts)
         if not r % 2:
-            without, _, _ = run_batch(engine, free + twins)
+            without, _, _, step_without = run_batch(engine, free + twins)
         a = statistics.mean(with_grammar[rid] for rid, _, _ in free)
         b = statistics.mean(without[rid] for rid, _, _ in free)
         ratios.append(a / b)
+        step_ratios.append(step_with / step_without)
         print(
             f"round {r + 1}: free requests {a * 1000:.2f} ms/token beside constrained ones, "
-            f"{b * 1000:.2f} beside unconstrained twins: {a / b:.3f}x; {engine_name} "
+            f"{b * 1000:.2f} beside unconstrained twins: {a / b:.3f}x; engine step "
+            f"{step_with * 1000:.3f} / {step_without * 1000:.3f} ms: "
+            f"{step_with / step_without:.3f}x; {engine_name} "
             f"{grammar_s * 1000 / steps:.2f} ms per step ({steps} steps, "
             f"{args.constrained} constrained requests, mean length "
-            f"{statistics.mean(lengths_now[c[0]] for c in constrained):.0f} tokens)"
+            f"{statistics.mean(lengths_now[c[0]] for c in constrained):.0f} tokens); masks "
+            f"computed {counts['masks']}, deferred {counts['deferred']} (rejected "
+            f"{counts['rejected']})"
         )
-    print(f"median ratio over {args.rounds} rounds: {statistics.median(ratios):.3f}x")
+    print(
+        f"medians over {args.rounds} rounds: free requests {statistics.median(ratios):.3f}x "
+        f"({min(ratios):.3f}-{max(ratios):.3f}), engine step {statistics.median(step_ratios):.3f}x "
+        f"({min(step_ratios):.3f}-{max(step_ratios):.3f})"
+    )
     return 0
 
 

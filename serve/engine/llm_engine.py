@@ -161,7 +161,8 @@ class LLMEngine:
         )
         if params.grammar is not None:
             try:
-                self.grammars.add(request_id, params.grammar)
+                deferrable = params.greedy and not params.processes_row
+                self.grammars.add(request_id, params.grammar, deferrable)
             except GrammarError as e:
                 raise InvalidRequest(str(e)) from e
         self.scheduler.add_request(request)
@@ -265,14 +266,24 @@ class LLMEngine:
         rows = [inputs.sample_rows[r] for r in ids]
         sample_inputs = [self._sample_input(r) for r in requests]
         allowed = masks.aligned(ids) if masks is not None else None
-        tokens = {}
-        for request, s in zip(
-            requests, self.sampler.sample(select_rows(logits, rows), sample_inputs, allowed)
-        ):
-            tokens[request.request_id] = s.token_id
+        sampled = self.sampler.sample(select_rows(logits, rows), sample_inputs, allowed)
+        tokens = {r: s.token_id for r, s in zip(ids, sampled)}
+        if rejected := self.grammars.consume(tokens):
+            # deferred masks whose free argmax the grammar rejected: the masked argmax now
+            position = {r: k for k, r in enumerate(ids)}
+            again = [position[r] for r in rejected]
+            redrawn = self.sampler.sample(
+                select_rows(logits, [rows[k] for k in again]),
+                [sample_inputs[k] for k in again],
+                self.grammars.masks_now(rejected).words,
+            )
+            for k, s in zip(again, redrawn):
+                sampled[k] = s
+                tokens[ids[k]] = s.token_id
+            self.grammars.consume({r: tokens[r] for r in rejected})
+        for request, s in zip(requests, sampled):
             if s.logprobs is not None:
                 request.logprobs.append(s.logprobs)
-        self.grammars.consume(tokens)
         return tokens
 
     def _sample_input(self, request: Request) -> SampleInput:

@@ -11,6 +11,15 @@ every core slowed the forward by more than the masks cost); with `overlap` (the 
 a GPU) in a worker thread while the model runs. After sampling, the matchers consume their
 tokens the same way. Once a grammar is complete, or a matcher has rejected a token, only
 end-of-sequence is allowed, so the request ends by itself.
+
+Deferred masks (`deferrable` requests: greedy, nothing else acting on the row, an xgrammar
+matcher, a CPU forward): the mask is not computed before the forward; the row's free argmax is
+offered to the matcher instead, and only when it rejects it is the mask computed and the masked
+argmax taken (llama.cpp samples grammars the same way). Exact, not approximate: the argmax over
+the allowed tokens is the free argmax whenever that is allowed, xgrammar accepts a token exactly
+when its mask allows it, and a rejected token leaves the matcher's state as it was (both checked
+over every token of a vocabulary, `test_a_rejected_token_leaves_the_matcher_as_it_was`). A
+request whose token was rejected gets its next mask up front, then is deferred again.
 """
 
 from __future__ import annotations
@@ -74,6 +83,14 @@ class GrammarBackend:
         """The requests whose matchers are xgrammar's (masks and tokens in batched calls)."""
         self.ended: set[str] = set()
         """Requests whose matcher accepted end-of-sequence or rejected a token."""
+        self.deferrable: set[str] = set()
+        """Requests whose masks may be deferred (see the module's docstring)."""
+        self.deferred: set[str] = set()
+        """Those whose mask this step was deferred: their token is offered to the matcher."""
+        self.up_front: set[str] = set()
+        """Deferrable requests whose last offered token was rejected: mask before the next."""
+        self.counts = {"masks": 0, "deferred": 0, "rejected": 0}
+        """Masks computed, masks deferred, deferred tokens rejected (so masked after all)."""
         self.overlap = overlap
         self._llg_tokenizer: Any = None
         self._xgr_compiler: Any = None
@@ -110,11 +127,14 @@ class GrammarBackend:
             compiled = compiler.compile_grammar(text)
         return xgr.GrammarMatcher(compiled)
 
-    def add(self, request_id: str, grammar: Grammar) -> None:
+    def add(self, request_id: str, grammar: Grammar, deferrable: bool = False) -> None:
+        """`deferrable`: the request is greedy and nothing but the grammar acts on its row."""
         chosen = route(grammar)
         if chosen.engine == "xgrammar":
             self.matchers[request_id] = self._xgrammar_matcher(*chosen.source)
             self.batched.add(request_id)
+            if deferrable and not self.overlap:
+                self.deferrable.add(request_id)
             return
         matcher = self._llguidance_matcher(chosen.source[1])
         if matcher.is_error():
@@ -125,11 +145,21 @@ class GrammarBackend:
         self.matchers.pop(request_id, None)
         self.batched.discard(request_id)
         self.ended.discard(request_id)
+        self.deferrable.discard(request_id)
+        self.deferred.discard(request_id)
+        self.up_front.discard(request_id)
 
     def start_masks(self, request_ids: list[str]) -> Future[Bitmasks] | None:
         """Begin computing the next-token bitmasks of these requests (rows of those without a
-        grammar allow every token). None when none has a grammar."""
-        if not any(r in self.matchers for r in request_ids):
+        grammar, or whose mask is deferred, allow every token). None when no row needs one."""
+        self.deferred = {
+            r
+            for r in request_ids
+            if r in self.deferrable and r not in self.ended and r not in self.up_front
+        }
+        self.up_front.difference_update(request_ids)
+        self.counts["deferred"] += len(self.deferred)
+        if not any(r in self.matchers and r not in self.deferred for r in request_ids):
             return None
         if not self.overlap:  # no core to spare: computed here, before the forward
             done: Future[Bitmasks] = Future()
@@ -139,6 +169,11 @@ class GrammarBackend:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         return self._worker.submit(self._masks, request_ids)
 
+    def masks_now(self, request_ids: list[str]) -> Bitmasks:
+        """The masks of deferred requests whose offered token was rejected."""
+        self.deferred.difference_update(request_ids)
+        return self._masks(request_ids)
+
     def _masks(self, request_ids: list[str]) -> Bitmasks:
         words = torch.full((len(request_ids), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         row_bytes = words.shape[1] * 4
@@ -146,8 +181,9 @@ class GrammarBackend:
         batched_rows: list[int] = []
         for i, request_id in enumerate(request_ids):
             matcher = self.matchers.get(request_id)
-            if matcher is None:
+            if matcher is None or request_id in self.deferred:
                 continue
+            self.counts["masks"] += 1
             if request_id in self.ended:
                 words[i] = self._eos_words
             elif request_id in self.batched:
@@ -159,9 +195,10 @@ class GrammarBackend:
             self._xgr_batch.batch_fill_next_token_bitmask(batched, words, batched_rows)
         return Bitmasks({r: i for i, r in enumerate(request_ids)}, words)
 
-    def consume(self, tokens: dict[str, int]) -> None:
+    def consume(self, tokens: dict[str, int]) -> list[str]:
         """Advance the matchers of the constrained requests among `tokens` (request id: the
-        token it sampled)."""
+        token it sampled). Returns the deferred requests whose token was rejected (their
+        matchers unchanged): they need `masks_now` and a token drawn under it."""
         batched: list[tuple[str, Any, int]] = []
         for request_id, token in tokens.items():
             matcher = self.matchers.get(request_id)
@@ -172,10 +209,17 @@ class GrammarBackend:
             else:  # llguidance ends a matcher itself: its masks allow only end-of-sequence then
                 matcher.consume_token(token)
         if not batched:
-            return
+            return []
         accepted = self._xgr_batch.batch_accept_token(
             [m for _, m, _ in batched], [t for _, _, t in batched]
         )
+        rejected = []
         for (request_id, _, token), ok in zip(batched, accepted):
+            if not ok and request_id in self.deferred:
+                rejected.append(request_id)
+                self.up_front.add(request_id)
+                continue
             if not ok or token in self.eos_ids:  # only a stop token ends an xgrammar matcher
                 self.ended.add(request_id)
+        self.counts["rejected"] += len(rejected)
+        return rejected

@@ -298,3 +298,78 @@ def test_an_end_of_sequence_id_outside_the_vocabulary_is_left_out(
     for token in [*tokenizer.encode("ab", add_special_tokens=False), eos]:
         backend.consume({"done": token})
     assert allowed_tokens(backend, ["done"]) == {"done": [eos]}
+
+
+def test_a_rejected_token_leaves_the_matcher_as_it_was(
+    backend: GrammarBackend, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """What deferred masks rely on, over every token at every step of random walks: xgrammar
+    accepts a token exactly when its mask allows it, and offering a rejected one changes
+    nothing (the deferred request then gets the same mask, and its next one up front)."""
+    rng = random.Random(0)
+    grammars = [Grammar("json_schema", json.dumps(s)) for s in XGRAMMAR_SCHEMAS[:2]]
+    grammars += [Grammar("regex", "[0-9]{2}-[a-z]+"), Grammar("json_object")]
+    for k, grammar in enumerate(grammars):
+        request_id = f"r{k}"
+        backend.add(request_id, grammar, deferrable=True)
+        matcher = backend.matchers[request_id]
+        for _ in range(30):
+            allowed = allowed_tokens(backend, [request_id])[request_id]
+            accepted = [t for t in range(backend.vocab_size) if matcher.fork().accept_token(t)]
+            assert accepted == allowed
+            rejected = sorted(set(range(backend.vocab_size)) - set(allowed))
+            assert backend.start_masks([request_id]) is None  # deferred
+            assert backend.consume({request_id: rng.choice(rejected)}) == [request_id]
+            again = backend.masks_now([request_id])
+            assert (
+                unpack_allowed(again.words, backend.vocab_size)[0].nonzero().flatten().tolist()
+                == allowed
+            )
+            token = rng.choice(allowed)
+            assert backend.consume({request_id: token}) == []
+            if token in backend.eos_ids:
+                break
+            assert backend.start_masks([request_id]) is not None  # up front after a rejection
+            assert (
+                backend.consume(
+                    {request_id: rng.choice(allowed_tokens(backend, [request_id])[request_id])}
+                )
+                == []
+            )
+            if backend.matchers[request_id].is_terminated():
+                break
+        backend.release(request_id)
+    assert backend.counts["rejected"] > 0 and not backend.up_front
+
+
+def test_deferred_masks_give_the_tokens_and_logprobs_of_masks_up_front(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy constrained requests in one batch, whose free argmax the grammar sometimes takes
+    and sometimes rejects: the same tokens and logprobs as with every mask computed first."""
+    from serve.core.sampling_params import SamplingParams
+    from serve.engine.llm import LLM
+
+    grammars = [
+        Grammar("json_schema", json.dumps(XGRAMMAR_SCHEMAS[0])),
+        Grammar("json_schema", json.dumps(XGRAMMAR_SCHEMAS[1])),
+        Grammar("regex", "[0-9]{3}-[a-z ]{2,12}"),
+        Grammar("json_object"),
+        Grammar("choice", json.dumps(["Paris", "Lyon", "a river"])),
+    ]
+    params = [SamplingParams(max_tokens=40, temperature=0, logprobs=2, grammar=g) for g in grammars]
+    prompts = ["Person as JSON:", "Tags:", "Code:", "Anything:", "City:"]
+    deferred = LLM(tiny_model_dir)
+    first = deferred.generate(prompts, params)
+    counts = deferred.engine.grammars.counts
+    assert counts["deferred"] > counts["rejected"] > 0  # both paths taken
+
+    up_front = LLM(tiny_model_dir)
+    backend = up_front.engine.grammars
+    add = backend.add
+    monkeypatch.setattr(backend, "add", lambda r, g, deferrable=False: add(r, g, False))
+    second = up_front.generate(prompts, params)
+    assert backend.counts["deferred"] == 0
+    for a, b in zip(first, second):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        assert a.logprobs == b.logprobs
