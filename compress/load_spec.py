@@ -7,7 +7,8 @@ Model: a model dir is one of
   llm-compressor's checkpoints) is read densely by `compress.compressed_tensors_io`, its W8A8
   `int-quantized` (activations quantized per token) by transformers,
 - `int4-at-load`: bfloat16 weights plus `workbench_quantization.json`, quantized by torchao's
-  int4 CPU tensor when loaded (it cannot be saved as safetensors),
+  int4 CPU tensor when loaded (it cannot be saved as safetensors); its linears then run as
+  `compress.packed.PackedLinear4`s over torchao's tensors (the same kernel for small calls),
 - `packed`: integer codes with scales and zero points (`compress.packed`) for the linears a
   calibrated method (RTN, GPTQ, AWQ, HQQ, a mixed plan) quantized, described by
   `workbench_packed.json`; loaded by building the transformers model from its config and
@@ -141,6 +142,10 @@ def load_model(
         model.to(device)  # type: ignore[arg-type]  # transformers types its `to` wrapper oddly
     if spec.scheme == "compressed-tensors":  # W8A8 (pack-quantized went to load_dense above)
         _decompress_now(model, spec)
+    if spec.format == "int4-at-load":
+        from compress.packed import adopt_torchao_int4
+
+        adopt_torchao_int4(model)
     return model.eval()
 
 

@@ -160,6 +160,28 @@ class PackedLinear4(nn.Module):
             self.register_buffer("scales", qw.scales, persistent=False)
             self.register_buffer("zeros", qw.zeros, persistent=False)
 
+    @classmethod
+    def from_kernel_tensors(
+        cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None
+    ) -> PackedLinear4 | None:
+        """A linear over a weight already in the CPU kernel's layout: `packed` codes and
+        `scales_and_zeros` ([groups, out, (s, m)] in bfloat16: torchao's `Int4OpaqueTensor`
+        holds the same two tensors, kept here without a copy). None where this torch build's
+        layout cannot be read back (`compress.int4pack`): rows could not be dequantized."""
+        layout = find_layout()
+        if layout is None:
+            return None
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        groups, self.out_features, _ = scales_and_zeros.shape
+        self.in_features = packed.numel() * 2 // self.out_features
+        self.group_size = self.in_features // groups
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.kernel, self.layout = True, layout
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
             flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
@@ -345,3 +367,27 @@ def packed_module(
     if fmt.bits == 4:
         return PackedLinear4(qw, bias, dtype)
     return (PackedLinear8Grouped if fmt.group_size else PackedLinear8)(qw, bias, dtype)
+
+
+def adopt_torchao_int4(model: nn.Module) -> int:
+    """Replace each CPU linear whose weight is torchao's `Int4OpaqueTensor` (the `int4-wo`
+    method) by a `PackedLinear4` over the same tensors, so calls of `DEQUANTIZE_ROWS` rows or
+    more take the dequantized float32 product (about twice the kernel's speed there: see the
+    module's docstring) and smaller ones the same kernel as torchao's; returns how many."""
+    from torchao.prototype.quantization.int4 import Int4OpaqueTensor
+
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, nn.Linear) or not isinstance(weight, Int4OpaqueTensor):
+            continue
+        plain = weight.act_pre_scale is None and weight.act_mapping_type is None
+        if not plain or weight.block_size[0] != 1 or weight.qdata.device.type != "cpu":
+            continue
+        linear = PackedLinear4.from_kernel_tensors(weight.qdata, weight.scale_and_zero, module.bias)
+        if linear is None or linear.out_features != module.out_features:
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, linear)
+        replaced += 1
+    return replaced

@@ -33,7 +33,7 @@ from serve.engine.output_processor import RequestOutput, RequestState
 from serve.lora.adapter import Adapter
 from serve.lora.manager import LoraConfig
 from serve.model.compilation import why_not_compilable
-from serve.model.cpu_linear import can_prepack, prepack_linears
+from serve.model.cpu_linear import prepack_linears
 from serve.model.fused_layers import fuse_decoder_layers
 from serve.model.grammar import Bitmasks, GrammarBackend, GrammarError
 from serve.model.host_memory import keep_freed_memory
@@ -97,7 +97,7 @@ class LLMEngine:
             scheduler or SchedulerConfig(), position_limit(hf_model)
         )
         self.vocab_size = hf_model.get_output_embeddings().out_features
-        if model.prepack_linears and can_prepack(device, dtype):
+        if model.prepack_linears and device.type == "cpu":
             prepack_linears(hf_model, merge_groups=model.merge_projections)
         if model.fuse_layers and not model.compile:  # CPU models only: why_not_fusable
             fuse_decoder_layers(hf_model)

@@ -58,7 +58,8 @@ def test_quantized_variants_load_with_their_layer_types(built: dict[str, dict]) 
     from compress.load_spec import load_model
 
     int4 = load_model(built["int4wo"]["path"])
-    assert type(int4.model.layers[0].mlp.up_proj.weight).__name__ == "Int4OpaqueTensor"
+    up = int4.model.layers[0].mlp.up_proj  # torchao's tensors, run as our module (compress.packed)
+    assert type(up).__name__ == "PackedLinear4" and up.packed.dtype == torch.uint8
     assert type(int4.lm_head.weight).__name__ == "Parameter"  # ignored by default
     for name in ("int8", "nf4", "fp4", "int8wo", "int4wo"):
         m = built[name]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from serve.core.config import CacheConfig, ModelConfig
@@ -55,22 +56,41 @@ def test_only_plain_float32_and_bfloat16_linears_are_replaced() -> None:
         nn.Linear(8, 8), nn.Linear(8, 8).bfloat16(), nn.Linear(8, 8).half(), Custom(8, 8)
     )
     bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert prepack_linears(model) == (2 if bf16 else 1)
+    assert prepack_linears(model) == 2
     names = [type(m).__name__ for m in model]
-    assert names == ["PackedLinear", "PackedLinear" if bf16 else "Linear", "Linear", "Custom"]
+    assert names == [
+        "PackedLinear",
+        "PackedLinear" if bf16 else "WidenedLinear",
+        "Linear",
+        "Custom",
+    ]
 
 
-def test_bfloat16_models_are_not_prepacked_where_the_cpu_cannot(
+def test_bfloat16_models_are_widened_not_prepacked_where_the_cpu_cannot(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Regression: on an AVX2-only CPU the bf16 reorder raised inside the engine's load."""
+    """Regression: on an AVX2-only CPU the bf16 reorder raised inside the engine's load. There
+    a bf16 linear multiplies in float32 from `WIDEN_ROWS` rows (its output rounded to bf16, the
+    same numbers as `F.linear`'s up to summation order), and a tied weight stays shared."""
     from serve.model import cpu_linear
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    assert not cpu_linear.can_prepack(torch.device("cpu"), torch.bfloat16)
-    assert cpu_linear.can_prepack(torch.device("cpu"), torch.float32)
-    model = nn.Sequential(nn.Linear(8, 8).bfloat16())
-    assert prepack_linears(model) == 0
+    monkeypatch.setattr(cpu_linear, "WIDEN_ROWS", 4)
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 300).bfloat16()
+    model = nn.Sequential(linear)
+    assert prepack_linears(model) == 1
+    widened = model[0]
+    assert isinstance(widened, cpu_linear.WidenedLinear) and widened.weight is linear.weight
+    for rows in (1, 3, 4, 40):
+        x = torch.randn(2, rows, 64).bfloat16()
+        y = widened(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (2, rows, 300)
+        exact = F.linear(x.double(), linear.weight.double(), linear.bias.double())
+        # within one bfloat16 rounding of the exact product, as `F.linear` in bf16 is
+        assert torch.allclose(y.double(), exact, rtol=2**-8, atol=1e-4)
+        if rows < 4:
+            assert torch.equal(y, F.linear(x, linear.weight, linear.bias))
 
 
 def test_engine_prepacks_by_default_with_the_same_greedy_tokens(

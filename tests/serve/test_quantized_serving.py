@@ -108,3 +108,31 @@ def test_int8_server_log_says_the_bitsandbytes_cast_once(
             model(torch.tensor([[5, 6, 7]]))
     casts = [r for r in caplog.records if r.name == BITSANDBYTES_MATMUL_LOGGER]
     assert len(casts) == 1 and "will be cast" in casts[0].getMessage()
+
+
+def test_int4_wo_linears_run_as_packed_modules_over_torchaos_tensors(
+    quantized: dict[str, Path],
+) -> None:
+    """`int4-wo` loads through torchao, then each of its linears becomes a `PackedLinear4` over
+    the same two tensors: the same bytes, the same kernel below `DEQUANTIZE_ROWS` rows (equal
+    logits), the dequantized float32 product from there (within bfloat16 rounding)."""
+    from compress.load_spec import _int4_at_load, load_model, read_load_spec
+    from compress.packed import DEQUANTIZE_ROWS, PackedLinear4
+    from evals.artifact_eval import memory_bytes
+
+    path = quantized["int4-wo"]
+    torchao = AutoModelForCausalLM.from_pretrained(
+        str(path), **_int4_at_load(read_load_spec(path))
+    ).eval()
+    ours = load_model(path)
+    linears = [m for m in ours.model.layers.modules() if isinstance(m, PackedLinear4)]
+    assert len(linears) == 7 * ours.config.num_hidden_layers
+    assert memory_bytes(ours) == memory_bytes(torchao)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        short = torch.randint(0, 500, (1, DEQUANTIZE_ROWS - 1))
+        assert torch.equal(ours(short).logits, torchao(short).logits)
+        long = torch.randint(0, 500, (2, 3 * DEQUANTIZE_ROWS))
+        a, b = ours(long).logits.float(), torchao(long).logits.float()
+        assert (a - b).abs().max() <= 0.05 * b.abs().max()
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
