@@ -36,6 +36,8 @@ from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from workbench.pipeline import parameter_count
 
+DEFAULT_BLOCK_SIZE = CacheConfig().block_size
+
 
 def random_llama_25m(tokenizer_dir: Path, out: Path) -> Path:
     """A ~25M-parameter Llama (hidden 512, 8 layers, GQA 8/4) with random weights."""
@@ -186,7 +188,7 @@ def engine_for(
     model_dir: Path,
     kv_bytes: int,
     max_num_seqs: int = 256,
-    block_size: int = 8,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     batched: int = 1024,
     compile_model: bool = False,
 ) -> LLMEngine:
@@ -209,7 +211,7 @@ def load_baseline_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> 
 
 
 def concurrency_vs_contiguous(
-    model_dir: Path, vocab: int, max_model_len: int = 2048, block_size: int = 8
+    model_dir: Path, vocab: int, max_model_len: int = 2048, block_size: int = DEFAULT_BLOCK_SIZE
 ) -> dict[str, float]:
     """At a KV budget that holds 16 contiguous `max_model_len` reservations, how many sequences
     run at once with paged blocks (256 requests of the mixed workload, all submitted at once)."""
@@ -234,7 +236,7 @@ def bench_model(
     rounds: int,
     n: int,
     log: Callable[[str], None],
-    block_size: int = 8,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     vllm: VllmWorker | None = None,
     max_num_batched_tokens: int = 1024,
     hf_baselines: bool = True,
@@ -342,7 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--requests", type=int, default=64, help="requests per workload")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--out", default="reports/bench-engine.json", help="JSON results file")
-    parser.add_argument("--block-size", type=int, default=8, help="KV block size of the engine")
+    parser.add_argument(
+        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="KV block size of the engine"
+    )
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=1024, help="the engine's step budget"
     )

@@ -6,7 +6,8 @@ a decode step at 1, 16 and 64 running sequences, and the prefill of 1,024 prompt
 
 Engine systems: engine (defaults), engine-bf16, engine-compile, engine-bf16-compile, engine-unmerged
 and engine-compile-unmerged (q/k/v and gate/up as separate products), engine-unfused
-(transformers' decoder layers, not `serve/model/fused_layers.py`'s)
+(transformers' decoder layers, not `serve/model/fused_layers.py`'s), engine-block8 and
+engine-block32 (KV blocks of 8 / 32 tokens instead of the default 16; every system's cache holds 65,536 tokens)
 (`--compile`: graphs built when the system is set up, not timed), sdpa (the gather backend),
 sdpa-flinear (also without prepacked linears). Baselines: generate, generate-bf16, and vllm
 (`--vllm-venv`: vLLM's offline engine in its own venv, default flags, prefix caching off).
@@ -47,6 +48,8 @@ from serve.engine.llm_engine import LLMEngine
 from serve.model.host_memory import keep_freed_memory
 
 DECODE_STEPS = 32
+KV_TOKENS = 65536
+"""The KV cache of every engine system, whatever its block size."""
 BATCHES = (1, 16, 64)
 
 
@@ -58,6 +61,7 @@ class EngineSystem:
     compile: bool = False
     merge: bool = True
     fuse: bool = True
+    block_size: int = CacheConfig().block_size
 
 
 ENGINE_SYSTEMS = {
@@ -66,6 +70,8 @@ ENGINE_SYSTEMS = {
     "engine-compile": EngineSystem(compile=True),
     "engine-unmerged": EngineSystem(merge=False),
     "engine-unfused": EngineSystem(fuse=False),
+    "engine-block8": EngineSystem(block_size=8),
+    "engine-block32": EngineSystem(block_size=32),
     "engine-compile-unmerged": EngineSystem(compile=True, merge=False),
     "engine-bf16-compile": EngineSystem(dtype="bfloat16", compile=True),
     "sdpa": EngineSystem(backend="sdpa"),
@@ -78,7 +84,11 @@ def prompt_ids(i: int, length: int, vocab: int) -> list[int]:
     return [(i * 131 + j * 7919) % (vocab - 10) + 10 for j in range(length)]
 
 
-def make_engine(model: Path, system: EngineSystem, prefill: int, device: str = "cpu") -> LLMEngine:
+def make_engine(
+    model: Path, system: EngineSystem, prefill: int, context: int, device: str = "cpu"
+) -> LLMEngine:
+    """An engine whose step budget holds the largest batch's whole prefill, so the timed steps
+    are decode steps only."""
     return LLMEngine(
         ModelConfig(
             str(model),
@@ -90,10 +100,10 @@ def make_engine(model: Path, system: EngineSystem, prefill: int, device: str = "
             fuse_layers=system.fuse,
             compile=system.compile,
         ),
-        CacheConfig(num_blocks=4096, block_size=8),
+        CacheConfig(num_blocks=KV_TOKENS // system.block_size, block_size=system.block_size),
         SchedulerConfig(
             max_num_seqs=max(BATCHES),
-            max_num_batched_tokens=max(8192, prefill),
+            max_num_batched_tokens=max(8192, prefill, max(BATCHES) * context),
             enable_prefix_caching=False,
         ),
     )
@@ -103,7 +113,7 @@ def engine_decode_step(engine: LLMEngine, n: int, context: int, tag: str) -> flo
     params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0, ignore_eos=True)
     for i in range(n):
         engine.add_request(f"{tag}-{i}", prompt_ids(i, context, engine.vocab_size), params)
-    engine.step()  # the whole prefill: the budget holds 64 x 128 tokens
+    engine.step()  # the whole prefill: the budget holds it (`make_engine`)
     start = time.perf_counter()
     for _ in range(DECODE_STEPS):
         engine.step()
@@ -245,7 +255,7 @@ def system_runs(
     stack: contextlib.ExitStack,
 ) -> Runs:
     if name in ENGINE_SYSTEMS:
-        engine = make_engine(model, ENGINE_SYSTEMS[name], prefill, device)
+        engine = make_engine(model, ENGINE_SYSTEMS[name], prefill, context, device)
         if engine.runner.compile_report:
             log(f"{name}: {engine.runner.compile_report.line()}")
         return engine_runs(engine, context, prefill)
