@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from benchmarks.engine_bench import default_llama_25m, load_baseline_model
+from benchmarks.engine_bench import DEFAULT_BLOCK_SIZE, default_llama_25m, load_baseline_model
 from benchmarks.vllm_system import VllmWorker
 from serve.core.config import AttentionBackend, CacheConfig, Dtype, ModelConfig, SchedulerConfig
 from serve.core.sampling_params import SamplingParams
@@ -61,7 +61,7 @@ class EngineSystem:
     compile: bool = False
     merge: bool = True
     fuse: bool = True
-    block_size: int = CacheConfig().block_size
+    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 ENGINE_SYSTEMS = {

@@ -162,20 +162,26 @@ class PackedLinear4(nn.Module):
 
     @classmethod
     def from_kernel_tensors(
-        cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None
+        cls,
+        packed: torch.Tensor,
+        scales_and_zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        shape: tuple[int, int],
     ) -> PackedLinear4 | None:
-        """A linear over a weight already in the CPU kernel's layout: `packed` codes and
-        `scales_and_zeros` ([groups, out, (s, m)] in bfloat16: torchao's `Int4OpaqueTensor`
-        holds the same two tensors, kept here without a copy). None where this torch build's
-        layout cannot be read back (`compress.int4pack`): rows could not be dequantized."""
+        """A linear of `shape` (out, in) over a weight already in the CPU kernel's layout:
+        `packed` codes and `scales_and_zeros` ([groups, out, (s, m)] in bfloat16: torchao's
+        `Int4OpaqueTensor` holds the same two tensors, kept here without a copy). None where
+        this torch build's layout cannot be read back (`compress.int4pack`: rows could not be
+        dequantized) or the tensors are not of that shape (padded)."""
         layout = find_layout()
-        if layout is None:
+        out, k = shape
+        groups = scales_and_zeros.shape[0]
+        fits = packed.numel() * 2 == out * k and scales_and_zeros.shape[1] == out
+        if layout is None or not fits or k % groups:
             return None
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        groups, self.out_features, _ = scales_and_zeros.shape
-        self.in_features = packed.numel() * 2 // self.out_features
-        self.group_size = self.in_features // groups
+        self.out_features, self.in_features, self.group_size = out, k, k // groups
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.kernel, self.layout = True, layout
         self.register_buffer("packed", packed, persistent=False)
@@ -384,8 +390,13 @@ def adopt_torchao_int4(model: nn.Module) -> int:
         plain = weight.act_pre_scale is None and weight.act_mapping_type is None
         if not plain or weight.block_size[0] != 1 or weight.qdata.device.type != "cpu":
             continue
-        linear = PackedLinear4.from_kernel_tensors(weight.qdata, weight.scale_and_zero, module.bias)
-        if linear is None or linear.out_features != module.out_features:
+        linear = PackedLinear4.from_kernel_tensors(
+            weight.qdata,
+            weight.scale_and_zero,
+            module.bias,
+            (module.out_features, module.in_features),
+        )
+        if linear is None:
             continue
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, linear)

@@ -134,6 +134,13 @@ class SamplingParams:
         return self.processes_row or self.grammar is not None
 
     @property
+    def masked_argmax(self) -> bool:
+        """Greedy, and nothing but a grammar's mask (if any) acts on the logits: the token is the
+        argmax of the row's allowed tokens (so many such rows share one pass, and a grammar's
+        mask can wait until the free argmax is rejected)."""
+        return self.greedy and not self.processes_row
+
+    @property
     def processes_row(self) -> bool:
         """Whether min_tokens, a logit bias or a penalty acts on the logits (a grammar's mask
         alone can be applied to many rows at once)."""

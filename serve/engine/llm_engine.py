@@ -161,8 +161,8 @@ class LLMEngine:
         )
         if params.grammar is not None:
             try:
-                deferrable = params.greedy and not params.processes_row
-                self.grammars.add(request_id, params.grammar, deferrable)
+                # deferrable exactly when the sampler takes the row's masked argmax
+                self.grammars.add(request_id, params.grammar, params.masked_argmax)
             except GrammarError as e:
                 raise InvalidRequest(str(e)) from e
         self.scheduler.add_request(request)

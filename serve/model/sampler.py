@@ -47,7 +47,7 @@ class SampleInput:
     @property
     def masked_greedy(self) -> bool:
         """Greedy, and only a grammar's mask changes the logits: batched with its likes."""
-        return self.params.greedy and self.constrained and not self.params.processes_row
+        return self.constrained and self.params.masked_argmax
 
 
 @dataclass(frozen=True)
