@@ -17,13 +17,18 @@ attention kernel (a ctypes call, not a torch operator) is timed through a `recor
 around it, so it counts as attention, not as time outside operators. vLLM's trace covers its
 worker process (where the model runs); its frontend's time is in its wall time only. Under each
 family the output lists its largest operators per system (`TOP`; also in the JSON), so a family's
-gap can be traced to the operators behind it.
+gap can be traced to the operators behind it. Linears, most of a step on the CPU, are also split
+by product shape, rows x in -> out features (`linears_by_rows`: both traces record shapes): a
+decode step's products have one row per running sequence, a prefill chunk's one per token, so
+the table compares the two systems per step kind and shows whether a gap is the product's own
+time or its number of calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 import time
 from collections import defaultdict
@@ -126,8 +131,41 @@ def top_operators(times: dict[str, float], n: int) -> dict[str, list[tuple[str, 
     return dict(ranked)
 
 
-Profile = tuple[float, dict[str, float], dict[str, list[tuple[str, float]]]]
-"""(wall seconds, ms per family, each family's largest operators)."""
+def product_shape(name: str, dims: list[list[int]]) -> tuple[int, int, int] | None:
+    """(rows, in features, out features) of a linear operator's call from its recorded input
+    dims, in each operator's own argument order; None where they were not recorded."""
+    if name == "_C::onednn_mm":  # vLLM's (output, input, bias, handler)
+        out, x = [*dims, [], []][:2]
+        if len(out) < 2 or not x:
+            return None
+        return math.prod(out[:-1]), x[-1], out[-1]
+    if name in ("aten::mm", "aten::addmm"):  # ([bias,] input, weight [in, out][, beta, alpha])
+        x, w = [*dims, [], [], []][name == "aten::addmm" :][:2]
+        return (x[0], x[-1], w[-1]) if len(x) == 2 and len(w) == 2 else None
+    x, w = [*dims, [], []][:2]  # (input, weight [out, in], ...): linear, _linear_pointwise
+    return (math.prod(x[:-1]), x[-1], w[0]) if x and len(w) == 2 else None
+
+
+def linears_by_rows(events: Iterable[dict[str, Any]]) -> dict[str, tuple[int, float]]:
+    """Linear operators' calls and milliseconds per product shape, "rows x in -> out" (rows: the
+    input's leading dims multiplied), from complete CPU-op events that recorded their shapes."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "cpu_op" or family(e["name"]) != "linears":
+            continue
+        shape = product_shape(e["name"], (e.get("args") or {}).get("Input Dims") or [])
+        if shape is None:
+            continue  # a wrapper (aten::matmul) or a call whose shapes went unrecorded
+        entry = out["{} x {} -> {}".format(*shape)]
+        entry[0] += 1
+        entry[1] += e["dur"] / 1000
+    return {key: (int(n), ms) for key, (n, ms) in out.items()}
+
+
+Profile = tuple[
+    float, dict[str, float], dict[str, list[tuple[str, float]]], dict[str, tuple[int, float]]
+]
+"""(wall seconds, ms per family, each family's largest operators, linears by input shape)."""
 
 TOP = 4
 """Operators listed per family."""
@@ -135,7 +173,12 @@ TOP = 4
 
 def _profile(events: list[dict[str, Any]], wall_s: float) -> Profile:
     times = self_times(events)
-    return wall_s, by_family(times, wall_s * 1e6), top_operators(times, TOP)
+    return (
+        wall_s,
+        by_family(times, wall_s * 1e6),
+        top_operators(times, TOP),
+        linears_by_rows(events),
+    )
 
 
 def trace_events(paths: Iterable[Path]) -> list[dict[str, Any]]:
@@ -178,7 +221,8 @@ def profile_engine(model: Path, w: Workload, compile_model: bool = False) -> Pro
     traced_decode_attention(engine)
     run_engine(engine, w)  # warm
     trace = Path(tempfile.mkdtemp()) / "engine.json"
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         start = time.perf_counter()
         run_engine(engine, w)
         wall = time.perf_counter() - start
@@ -199,6 +243,22 @@ def profile_vllm(worker: VllmWorker, w: Workload) -> Profile:
     time.sleep(2)
     workers = [p for p in traces if "rank" in p.name or "worker" in p.name.lower()] or traces
     return _profile(trace_events(workers), result.seconds)
+
+
+def print_linears_by_rows(
+    ours: dict[str, tuple[int, float]], theirs: dict[str, tuple[int, float]]
+) -> None:
+    """Side by side, largest first: calls, total and per-call milliseconds per input shape."""
+    print("   linears by shape (rows x in -> out):   engine calls / ms / per call     vllm")
+    shapes = sorted(
+        set(ours) | set(theirs),
+        key=lambda k: -max(ours.get(k, (0, 0.0))[1], theirs.get(k, (0, 0.0))[1]),
+    )
+    for shape in shapes:
+        cells = []
+        for n, ms in (ours.get(shape, (0, 0.0)), theirs.get(shape, (0, 0.0))):
+            cells.append(f"{n:5d} {ms:9.1f} {ms / n if n else 0.0:8.3f}")
+        print(f"   {shape:>24}:   {cells[0]}   {cells[1]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,9 +289,10 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 a, b = ours[1].get(name, 0.0), theirs[1].get(name, 0.0)
                 print(f"   {name:>20}: engine {a:8.1f} ms   vllm {b:8.1f} ms")
-                for system, (_, _, top) in (("engine", ours), ("vllm", theirs)):
+                for system, (_, _, top, _) in (("engine", ours), ("vllm", theirs)):
                     for op, ms in top.get(name, []):
                         print(f"   {'':>20}    {system:>6} {ms:8.1f} ms  {op[:90]}")
+            print_linears_by_rows(ours[3], theirs[3])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out} (vLLM traces in {profile_dir})")

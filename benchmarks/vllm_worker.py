@@ -69,6 +69,7 @@ def main() -> int:
             "profiler": "torch",
             "torch_profiler_dir": args.profile_dir,
             "torch_profiler_with_stack": False,
+            "torch_profiler_record_shapes": True,  # linears by input shape (op_profile)
             "torch_profiler_use_gzip": False,
         }
     llm = LLM(**options)

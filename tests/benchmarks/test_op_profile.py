@@ -11,6 +11,7 @@ from benchmarks.op_profile import (
     KERNEL_EVENT,
     by_family,
     family,
+    linears_by_rows,
     self_times,
     top_operators,
     trace_events,
@@ -114,4 +115,31 @@ def test_top_operators_are_each_familys_largest_in_order() -> None:
         "linears": [("aten::addmm", 5.0), ("aten::mm", 3.0)],
         "elementwise": [("aten::mul", 0.7)],
         "other operators": [("aten::empty", 0.01)],
+    }
+
+
+def test_linears_are_split_by_product_shape_in_each_operators_argument_order() -> None:
+    """A decode step's products (one row per sequence) and a prefill chunk's (one per token)
+    land in separate cells, read from each operator's own arguments (vLLM's `onednn_mm` takes
+    its output first); other operators and unrecorded shapes are left out."""
+
+    def shaped(name: str, dims: list[list[int]], dur: float) -> dict:
+        return {**_op(name, 0, dur), "args": {"Input Dims": dims}}
+
+    events = [
+        shaped("mkldnn::_linear_pointwise", [[1, 64, 512], [2560, 512], [], []], 1500),
+        shaped("mkldnn::_linear_pointwise", [[64, 512], [2560, 512], [], []], 500),
+        shaped("mkldnn::_linear_pointwise", [[1024, 512], [1024, 512], [], []], 8000),
+        shaped("_C::onednn_mm", [[64, 2560], [64, 512], [], [1]], 700),
+        shaped("aten::addmm", [[512], [16, 1280], [1280, 512], [], []], 300),
+        shaped("aten::mm", [[8, 1280], [1280, 512]], 200),
+        shaped("aten::linear", [[], [], []], 9000),
+        shaped("aten::add", [[64, 512], [64, 512]], 30),
+        _op("aten::mm", 0, 100),
+    ]
+    assert linears_by_rows(events) == {
+        "64 x 512 -> 2560": (3, pytest.approx(2.7)),
+        "1024 x 512 -> 1024": (1, 8.0),
+        "16 x 1280 -> 512": (1, 0.3),
+        "8 x 1280 -> 512": (1, 0.2),
     }
