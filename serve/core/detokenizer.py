@@ -9,11 +9,14 @@ back until the bytes that complete it arrive (or the request ends: then the text
 whole-output decode gives). Stop strings are searched only where a match can
 newly appear: the new text and the `longest stop - 1` characters before it; the text is cut
 before the first match (after it, with `include_stop`).
+A fast tokenizer whose `decode` is transformers' own, with no clean-up of spaces, is decoded by
+its `tokenizers` backend directly (`text_decoder`): the same call transformers makes, without its
+per-call Python (about 4 us of 6-10 a call, two calls a token of every running request).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,9 +29,34 @@ def decode_text(
     tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = True
 ) -> str:
     """The text of `ids`, special tokens skipped unless asked for."""
-    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-    assert isinstance(text, str)  # one sequence in, one string out
-    return text
+    return text_decoder(tokenizer, skip_special_tokens)(ids)
+
+
+def text_decoder(
+    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True
+) -> Callable[[list[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=...)`, through the `tokenizers`
+    backend where that is exactly what `decode` does (see the module's docstring)."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase as Base
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    kind = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (
+        isinstance(tokenizer, TokenizersBackend)
+        and kind.decode is Base.decode
+        and kind._decode is TokenizersBackend._decode
+        and not tokenizer.clean_up_tokenization_spaces
+        and backend is not None
+    ):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode(ids: list[int]) -> str:
+        text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)  # one sequence in, one string out
+        return text
+
+    return decode
 
 
 class IncrementalDetokenizer:
@@ -47,9 +75,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return decode_text(self.tokenizer, ids, self.skip_special_tokens)
+        self._decode = text_decoder(tokenizer, skip_special_tokens)
 
     def update(self, output_token_ids: list[int], final: bool = False, search: bool = True) -> str:
         """Extend `text` with what `output_token_ids` (all of them so far) add; returns the new

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from serve.core.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from serve.core.detokenizer import REPLACEMENT, IncrementalDetokenizer, decode_text, text_decoder
 
 MULTI_BYTE = "naïve 日本語 🤖 café — ok. Ünïcödé ∑ x² → ∞ 🎉🎉 end"
 
@@ -86,3 +86,39 @@ def test_each_step_decodes_a_bounded_window(tokenizer: PreTrainedTokenizerBase) 
         detok.update(ids[:n], final=n == len(ids))
     assert len(ids) > 1000 and detok.text == MULTI_BYTE * 40
     assert max(decoded) <= 8  # a whole-output decode would reach len(ids)
+
+
+def test_the_backend_decodes_exactly_as_transformers_without_its_wrapper(
+    tokenizer: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain fast tokenizer is decoded by its `tokenizers` backend: the same text as
+    `tokenizer.decode` for random ids (special tokens and byte pieces too), with and without
+    skipping specials, and `tokenizer.decode` itself is not called."""
+    rng = random.Random(3)
+    samples = [
+        [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 40))] for _ in range(200)
+    ]
+    for skip in (True, False):
+        expected = [tokenizer.decode(ids, skip_special_tokens=skip) for ids in samples]
+        with monkeypatch.context() as patch:
+            patch.setattr(tokenizer, "decode", lambda *a, **k: pytest.fail("wrapper called"))
+            decode = text_decoder(tokenizer, skip)
+            assert [decode(ids) for ids in samples] == expected
+            assert decode_text(tokenizer, samples[0], skip) == expected[0]
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode(
+    tokenizer: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[list[int]] = []
+    original = tokenizer.decode
+
+    def counted(ids: list[int], skip_special_tokens: bool = False) -> str:
+        calls.append(ids)
+        return original(ids, skip_special_tokens=skip_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    monkeypatch.setattr(tokenizer, "decode", counted)
+    ids = tokenizer.encode("a , b .", add_special_tokens=False)
+    assert text_decoder(tokenizer)(ids) == original(ids, skip_special_tokens=True)
+    assert calls == [ids]
