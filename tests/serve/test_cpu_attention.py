@@ -46,7 +46,7 @@ DECOMPOSITIONS = pytest.mark.parametrize("lens", [FEW, MANY], ids=["kv-head-item
 @needs_c_compiler
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(8, 4, 64, 8), (4, 4, 32, 16), (9, 3, 80, 8), (16, 1, 128, 5)],
+    [(8, 4, 64, 8), (4, 4, 32, 16), (9, 3, 80, 8), (16, 1, 128, 5), (4, 1, 256, 16)],
 )
 @DECOMPOSITIONS
 def test_decode_kernel_equals_the_reference(
