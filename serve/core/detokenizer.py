@@ -67,9 +67,8 @@ class IncrementalDetokenizer:
         include_stop: bool = False,
         skip_special_tokens: bool = True,
     ) -> None:
-        self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
-        self.include_stop, self.skip_special_tokens = include_stop, skip_special_tokens
+        self.include_stop = include_stop
         self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.text = ""
         self.prefix_offset = 0
