@@ -6,17 +6,21 @@ the engine for every variant dir, round after round (A B C A B C), and prints ou
 per variant with its median ratio to the first dir. `--kernels-at-every-size` also runs each
 dir with torch's int4 / int8 CPU kernels at every call size (`NAME:kernels`; by default calls of
 `compress.packed.DEQUANTIZE_ROWS` rows or more are dequantized float32 matmuls), the same engine
-and weights, so the two are compared in one run.
+and weights, so the two are compared in one run. `--bitsandbytes-layers` also runs each dir with
+bitsandbytes' own 4-bit layers (`NAME:bitsandbytes`; by default the engine runs nf4 / fp4 layers
+through its own kernel where bitsandbytes would dequantize them a call: `fourbit_linear`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -52,6 +56,18 @@ def _run(
         packed.DEQUANTIZE_ROWS = default
 
 
+def load_engine(model: Path, requests: int, bitsandbytes_layers: bool = False) -> LLMEngine:
+    """The engine on `model`; with `bitsandbytes_layers` its 4-bit layers stay bitsandbytes'."""
+    keep = mock.patch("serve.engine.llm_engine.replace_4bit_linears", return_value=0)
+    with keep if bitsandbytes_layers else contextlib.nullcontext():
+        return LLMEngine(
+            ModelConfig(str(model), dtype="float32", device="cpu"),
+            CacheConfig(num_blocks=1024),
+            # every round prefills its prompts again: no KV reused across rounds
+            SchedulerConfig(max_num_seqs=requests, enable_prefix_caching=False),
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
@@ -66,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run each dir with the int4 / int8 CPU kernels at every call size",
     )
+    parser.add_argument(
+        "--bitsandbytes-layers",
+        action="store_true",
+        help="also run each dir whose 4-bit layers the engine runs itself with bitsandbytes' own",
+    )
     args = parser.parse_args(argv)
     rng = random.Random(0)
     prompts = [
@@ -73,15 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     ]
     systems: dict[str, tuple[LLMEngine, int]] = {}
     for d in args.dirs:
-        engine = LLMEngine(
-            ModelConfig(str(d), dtype="float32", device="cpu"),
-            CacheConfig(num_blocks=1024),
-            # every round prefills its prompts again: no KV reused across rounds
-            SchedulerConfig(max_num_seqs=args.requests, enable_prefix_caching=False),
-        )
+        engine = load_engine(d, args.requests)
         systems[d.name] = (engine, packed.DEQUANTIZE_ROWS)
         if args.kernels_at_every_size:
             systems[f"{d.name}:kernels"] = (engine, sys.maxsize)
+        if args.bitsandbytes_layers and any(
+            type(m).__name__ == "FourBitLinear" for m in engine.runner.model.modules()
+        ):
+            own = load_engine(d, args.requests, bitsandbytes_layers=True)
+            systems[f"{d.name}:bitsandbytes"] = (own, packed.DEQUANTIZE_ROWS)
     for system in systems.values():
         _run(system, prompts[:2], 4)  # warm-up
     speeds: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}

@@ -128,8 +128,10 @@ class ModelConfig:
     compiler), `sdpa` (gathered blocks, any device) or `reference` (plain per-sequence loop);
     auto: paged-cpu where it runs, else sdpa."""
     prepack_linears: bool = True
-    """On the CPU in float32 or bfloat16: run plain linear layers through oneDNN with prepacked
-    weights (`serve/model/cpu_linear.py`); False keeps `F.linear`."""
+    """On the CPU: run plain float32 or bfloat16 linear layers through oneDNN with prepacked
+    weights (`serve/model/cpu_linear.py`), and bitsandbytes 4-bit ones through the engine's 4-bit
+    kernel where bitsandbytes has none (`serve/model/fourbit_linear.py`); False keeps `F.linear`
+    and bitsandbytes' own layers."""
     merge_projections: bool = True
     """With `prepack_linears`: q/k/v and gate/up as one prepacked product each."""
     fuse_layers: bool = True

@@ -44,6 +44,26 @@ def test_engine_greedy_equals_generate_on_quantized_model(
     assert same == len(cases), f"{variant}: {same}/{len(cases)} equal"
 
 
+def test_engine_runs_nf4_through_its_own_kernel_where_bitsandbytes_would_dequantize(
+    quantized: dict[str, Path],
+) -> None:
+    """Without AVX512-BF16 every nf4 layer becomes a `FourBitLinear` (its tokens: the test above);
+    with it bitsandbytes keeps its own bfloat16 kernel."""
+    from collections import Counter
+
+    from bitsandbytes.nn.modules import has_avx512bf16
+
+    plain = AutoModelForCausalLM.from_pretrained(quantized["nf4"], device_map="cpu")
+    layers = sum(type(m).__name__ == "Linear4bit" for m in plain.modules())
+    engine = make_engine(quantized["nf4"], num_blocks=64, budget=64)
+    kinds = Counter(type(m).__name__ for m in engine.runner.model.modules())
+    assert layers > 0
+    if has_avx512bf16():
+        assert (kinds["FourBitLinear"], kinds["Linear4bit"]) == (0, layers)
+    else:
+        assert (kinds["FourBitLinear"], kinds["Linear4bit"]) == (layers, 0)
+
+
 @pytest.mark.parametrize("base_variant", ["nf4", "int8"])
 def test_qlora_adapter_on_quantized_base_in_a_mixed_batch(
     quantized: dict[str, Path], base_variant: str
