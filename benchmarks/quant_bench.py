@@ -7,8 +7,8 @@ per variant with its median ratio to the first dir. `--kernels-at-every-size` al
 dir with torch's int4 / int8 CPU kernels at every call size (`NAME:kernels`; by default calls of
 `compress.packed.DEQUANTIZE_ROWS` rows or more are dequantized float32 matmuls), the same engine
 and weights, so the two are compared in one run. `--bitsandbytes-layers` also runs each dir with
-bitsandbytes' own 4-bit layers (`NAME:bitsandbytes`; by default the engine runs nf4 / fp4 layers
-through its own kernel where bitsandbytes would dequantize them a call: `fourbit_linear`).
+bitsandbytes' own layers (`NAME:bitsandbytes`; by default the engine runs nf4 / fp4 / int8 layers
+through its own kernels where bitsandbytes would convert the whole weight a call: `bnb_linear`).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def _run(
 
 
 def load_engine(model: Path, requests: int, bitsandbytes_layers: bool = False) -> LLMEngine:
-    """The engine on `model`; with `bitsandbytes_layers` its 4-bit layers stay bitsandbytes'."""
-    keep = mock.patch("serve.engine.llm_engine.replace_4bit_linears", return_value=0)
+    """The engine on `model`; with `bitsandbytes_layers` its quantized layers stay bitsandbytes'."""
+    keep = mock.patch("serve.engine.llm_engine.replace_bnb_linears", return_value=0)
     with keep if bitsandbytes_layers else contextlib.nullcontext():
         return LLMEngine(
             ModelConfig(str(model), dtype="float32", device="cpu"),
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bitsandbytes-layers",
         action="store_true",
-        help="also run each dir whose 4-bit layers the engine runs itself with bitsandbytes' own",
+        help="also run each dir whose bitsandbytes layers the engine replaces with bitsandbytes' own",
     )
     args = parser.parse_args(argv)
     rng = random.Random(0)
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.kernels_at_every_size:
             systems[f"{d.name}:kernels"] = (engine, sys.maxsize)
         if args.bitsandbytes_layers and any(
-            type(m).__name__ == "FourBitLinear" for m in engine.runner.model.modules()
+            type(m).__name__ in ("FourBitLinear", "Int8Linear")
+            for m in engine.runner.model.modules()
         ):
             own = load_engine(d, args.requests, bitsandbytes_layers=True)
             systems[f"{d.name}:bitsandbytes"] = (own, packed.DEQUANTIZE_ROWS)

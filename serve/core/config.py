@@ -129,9 +129,9 @@ class ModelConfig:
     auto: paged-cpu where it runs, else sdpa."""
     prepack_linears: bool = True
     """On the CPU: run plain float32 or bfloat16 linear layers through oneDNN with prepacked
-    weights (`serve/model/cpu_linear.py`), and bitsandbytes 4-bit ones through the engine's 4-bit
-    kernel where bitsandbytes has none (`serve/model/fourbit_linear.py`); False keeps `F.linear`
-    and bitsandbytes' own layers."""
+    weights (`serve/model/cpu_linear.py`), and bitsandbytes nf4 / fp4 / int8 ones through the
+    engine's kernels where bitsandbytes has none (`serve/model/bnb_linear.py`); False keeps
+    `F.linear` and bitsandbytes' own layers."""
     merge_projections: bool = True
     """With `prepack_linears`: q/k/v and gate/up as one prepacked product each."""
     fuse_layers: bool = True

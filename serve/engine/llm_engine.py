@@ -32,9 +32,9 @@ from serve.engine.generation_defaults import GenerationDefaults
 from serve.engine.output_processor import RequestOutput, RequestState
 from serve.lora.adapter import Adapter
 from serve.lora.manager import LoraConfig
+from serve.model.bnb_linear import replace_bnb_linears
 from serve.model.compilation import why_not_compilable
 from serve.model.cpu_linear import prepack_linears
-from serve.model.fourbit_linear import replace_4bit_linears
 from serve.model.fused_layers import fuse_decoder_layers
 from serve.model.grammar import Bitmasks, GrammarBackend, GrammarError
 from serve.model.host_memory import keep_freed_memory
@@ -100,7 +100,7 @@ class LLMEngine:
         self.vocab_size = hf_model.get_output_embeddings().out_features
         if model.prepack_linears and device.type == "cpu":
             prepack_linears(hf_model, merge_groups=model.merge_projections)
-            replace_4bit_linears(hf_model)
+            replace_bnb_linears(hf_model)
         if model.fuse_layers and not model.compile:  # CPU models only: why_not_fusable
             fuse_decoder_layers(hf_model)
         if model.compile and (why_not := why_not_compilable(hf_model, lora is not None)):

@@ -44,24 +44,29 @@ def test_engine_greedy_equals_generate_on_quantized_model(
     assert same == len(cases), f"{variant}: {same}/{len(cases)} equal"
 
 
-def test_engine_runs_nf4_through_its_own_kernel_where_bitsandbytes_would_dequantize(
+def test_engine_runs_bitsandbytes_layers_through_its_own_kernels(
     quantized: dict[str, Path],
 ) -> None:
-    """Without AVX512-BF16 every nf4 layer becomes a `FourBitLinear` (its tokens: the test above);
-    with it bitsandbytes keeps its own bfloat16 kernel."""
+    """Every int8 layer becomes an `Int8Linear`; every nf4 layer a `FourBitLinear` without
+    AVX512-BF16 (with it bitsandbytes keeps its own bfloat16 kernel). Their tokens: the test
+    above."""
     from collections import Counter
 
     from bitsandbytes.nn.modules import has_avx512bf16
 
-    plain = AutoModelForCausalLM.from_pretrained(quantized["nf4"], device_map="cpu")
-    layers = sum(type(m).__name__ == "Linear4bit" for m in plain.modules())
-    engine = make_engine(quantized["nf4"], num_blocks=64, budget=64)
-    kinds = Counter(type(m).__name__ for m in engine.runner.model.modules())
-    assert layers > 0
-    if has_avx512bf16():
-        assert (kinds["FourBitLinear"], kinds["Linear4bit"]) == (0, layers)
-    else:
-        assert (kinds["FourBitLinear"], kinds["Linear4bit"]) == (layers, 0)
+    for variant, kind, replacement in (
+        ("nf4", "Linear4bit", "FourBitLinear"),
+        ("int8", "Linear8bitLt", "Int8Linear"),
+    ):
+        plain = AutoModelForCausalLM.from_pretrained(quantized[variant], device_map="cpu")
+        layers = sum(type(m).__name__ == kind for m in plain.modules())
+        engine = make_engine(quantized[variant], num_blocks=64, budget=64)
+        kinds = Counter(type(m).__name__ for m in engine.runner.model.modules())
+        assert layers > 0
+        if variant == "nf4" and has_avx512bf16():
+            assert (kinds[replacement], kinds[kind]) == (0, layers)
+        else:
+            assert (kinds[replacement], kinds[kind]) == (layers, 0)
 
 
 @pytest.mark.parametrize("base_variant", ["nf4", "int8"])

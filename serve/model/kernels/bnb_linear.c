@@ -1,14 +1,26 @@
-/* Linear layers over 4-bit lookup-table weights (bitsandbytes' nf4 and fp4) for the CPU engine.
+/* Linear layers over bitsandbytes' quantized weights for the CPU engine: 4-bit lookup-table
+ * weights (nf4, fp4) and LLM.int8's int8 weights.
  *
- * Weight: W[n, k] = lut[c(n, k)] * absmax[(n * K + k) / blocksize], float32, where the codes are
+ * 4-bit: W[n, k] = lut[c(n, k)] * absmax[(n * K + k) / blocksize], float32, where the codes are
  * stored two a byte in row-major order, element k of row n in byte (n * K + k) / 2, the even
  * element in the high nibble (bitsandbytes' layout), and `lut` holds the 16 values of the code.
  *   fourbit_dequantize  rows [lo, hi) of W into `out` ([hi - lo, K], row-major): the same float32
  *                       products bitsandbytes' `dequantize_4bit` writes, bit for bit.
- *   fourbit_linear      y[M, N] = x[M, K] W^T (+ bias[N]): each thread decodes a tile of W's rows
- *                       into a buffer that stays in cache, then multiplies every row of x by it.
- *                       Float32 throughout: bitsandbytes' dequantize + `F.linear` up to the order
- *                       of the sums.
+ *   fourbit_linear      y[M, N] = x[M, K] W^T (+ bias[N]).
+ * int8: W[n, k] = (float)codes[n * K + k].
+ *   int8_linear         y[M, N] = x[M, K] W^T. With x holding int8 values too, every product
+ *                       and partial sum is an integer, exact in float32 below 2^24: the int32
+ *                       product bitsandbytes computes (as a float32 matmul, or `torch._int_mm`).
+ *   llm_int8_linear     LLM.int8 as bitsandbytes 0.50's torch ops compute it (`MatMul8bitLt` at
+ *                       inference), step for step in the same float32 / float16 roundings:
+ *                       h = float16(x); with threshold t > 0, elements |h| >= t are outliers
+ *                       (zeroed, their columns listed); s[m] = max |h[m, :]|;
+ *                       q = round_half_even(h * ((1 / s[m]) * 127)) as int8 (NaN, inf -> 0), outlier
+ *                       columns zeroed when M > 1; i = q W^T (exact); y = i * (s[m] * scales[n])
+ *                       * 6.200124e-05f (+ bias[n]). The caller adds the outlier columns'
+ *                       float product (bitsandbytes' addmm) when any were listed.
+ * Each thread decodes a tile of W's rows into a buffer that stays in cache, then multiplies every
+ * row of x by it; float32 throughout: bitsandbytes' dequantize + matmul up to the order of sums.
  * Contract (checked by the caller): K % 8 == 0, blocksize % 8 == 0, all arrays contiguous.
  * Returns 0, or 1 where a tile buffer cannot be allocated.
  */
@@ -16,7 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX2__
+#include <math.h>
+
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -63,6 +77,21 @@ static void decode_rows(const uint8_t *codes, const float *absmax, const float *
             }
 #endif
         }
+    }
+}
+
+static void decode_int8_rows(const int8_t *codes, int64_t K, int64_t lo, int64_t hi, float *out) {
+    for (int64_t n = lo; n < hi; n++) {
+        const int8_t *c = codes + n * K;
+        float *row = out + (n - lo) * K;
+#ifdef __AVX2__
+        for (int64_t k = 0; k < K; k += 8) {
+            const __m128i eight = _mm_loadl_epi64((const __m128i *)(c + k));
+            _mm256_storeu_ps(row + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)));
+        }
+#else
+        for (int64_t k = 0; k < K; k++) row[k] = (float)c[k];
+#endif
     }
 }
 
@@ -131,8 +160,22 @@ static void tile_product(const float *x, int64_t M, int64_t K, const float *w, i
     }
 }
 
-int fourbit_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *absmax,
-                   const float *lut, int64_t blocksize, int64_t N, const float *bias, float *y) {
+/* A quantized weight as one of the decoders above reads it. */
+typedef struct {
+    const void *codes;
+    const float *absmax, *lut; /* 4-bit only; NULL for int8 */
+    int64_t blocksize;
+} weight_t;
+
+static void decode_tile(const weight_t *w, int64_t K, int64_t lo, int64_t hi, float *out) {
+    if (w->lut == NULL)
+        decode_int8_rows((const int8_t *)w->codes, K, lo, hi, out);
+    else
+        decode_rows((const uint8_t *)w->codes, w->absmax, w->lut, w->blocksize, K, lo, hi, out);
+}
+
+static int tiled_linear(const float *x, int64_t M, int64_t K, const weight_t *weight, int64_t N,
+                        const float *bias, float *y) {
     int64_t tile = TILE_BYTES / (K * (int64_t)sizeof(float));
     tile = tile < 3 ? 3 : (tile > 18 ? 18 : tile / 3 * 3);
     const int64_t tiles = (N + tile - 1) / tile;
@@ -147,10 +190,79 @@ int fourbit_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, c
                 continue;
             }
             const int64_t lo = t * tile, hi = lo + tile < N ? lo + tile : N;
-            decode_rows(codes, absmax, lut, blocksize, K, lo, hi, w);
+            decode_tile(weight, K, lo, hi, w);
             tile_product(x, M, K, w, hi - lo, lo, N, bias, y);
         }
         free(w);
     }
+    return failed;
+}
+
+int fourbit_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *absmax,
+                   const float *lut, int64_t blocksize, int64_t N, const float *bias, float *y) {
+    const weight_t weight = {codes, absmax, lut, blocksize};
+    return tiled_linear(x, M, K, &weight, N, bias, y);
+}
+
+int int8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, int64_t N, float *y) {
+    const weight_t weight = {codes, NULL, NULL, 0};
+    return tiled_linear(x, M, K, &weight, N, NULL, y);
+}
+
+static inline float to_float16(float v) {
+#ifdef __F16C__
+    return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+#else
+    return (float)(_Float16)v;
+#endif
+}
+
+/* h = float16(x) with outliers zeroed (flags[k] set for their columns); returns max |h|. */
+static float half_row(const float *x, int64_t K, float threshold, float *h, char *flags) {
+    float top = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        float v = to_float16(x[k]);
+        if (threshold > 0.0f && fabsf(v) >= threshold) {
+            flags[k] = 1;
+            v = 0.0f;
+        }
+        h[k] = v;
+        top = fabsf(v) > top ? fabsf(v) : top;
+    }
+    return top;
+}
+
+int llm_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
+                    int64_t N, const float *bias, float threshold, float *y, int64_t *outlier_cols,
+                    int64_t *outliers) {
+    float *q = malloc((size_t)(M * K + M) * sizeof(float));
+    char *flags = calloc((size_t)K, 1);
+    if (q == NULL || flags == NULL) {
+        free(q);
+        free(flags);
+        return 1;
+    }
+    float *row_scale = q + M * K;
+    for (int64_t m = 0; m < M; m++) row_scale[m] = half_row(x + m * K, K, threshold, q + m * K, flags);
+    *outliers = 0;
+    for (int64_t k = 0; k < K; k++)
+        if (flags[k]) outlier_cols[(*outliers)++] = k;
+    for (int64_t m = 0; m < M; m++) {
+        const float factor = (1.0f / row_scale[m]) * 127.0f; /* torch's 127 / s: s.reciprocal() * 127 */
+        float *row = q + m * K;
+        for (int64_t k = 0; k < K; k++) {
+            const float v = rintf(row[k] * factor);
+            row[k] = (M > 1 && flags[k]) || !isfinite(v) ? 0.0f : v;
+        }
+    }
+    const weight_t weight = {codes, NULL, NULL, 0};
+    const int failed = tiled_linear(q, M, K, &weight, N, NULL, y);
+    for (int64_t m = 0; m < M && !failed; m++)
+        for (int64_t n = 0; n < N; n++) {
+            const float v = (float)(int32_t)y[m * N + n] * (row_scale[m] * scales[n]) * 6.200124e-05f;
+            y[m * N + n] = bias ? v + bias[n] : v;
+        }
+    free(q);
+    free(flags);
     return failed;
 }

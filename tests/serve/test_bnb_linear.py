@@ -1,6 +1,6 @@
-"""The engine's 4-bit kernel for bitsandbytes nf4 / fp4 layers: bitsandbytes' dequantized weights
-bit for bit, its products up to float32 summation order, and only where bitsandbytes would
-compute the same way."""
+"""The engine's kernels for bitsandbytes layers: nf4 / fp4 with bitsandbytes' dequantized weights
+bit for bit and its products up to float32 summation order, LLM.int8 with equal results, and
+only where bitsandbytes would compute the same way."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from serve.model.fourbit_linear import (
+from serve.model.bnb_linear import (
     DEQUANTIZE_ROWS,
     FourBitLinear,
+    Int8Linear,
     load_kernel,
-    replace_4bit_linears,
-    why_kept,
+    replace_bnb_linears,
+    why_kept_4bit,
+    why_kept_int8,
 )
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -114,11 +116,84 @@ def test_only_layers_bitsandbytes_computes_in_float32_by_dequantizing_are_replac
             "unquantized": torch.nn.Linear(128, 64),
         }
     )
-    assert "bfloat16" in str(why_kept(layers["bf16"]))
-    assert "AVX512-BF16" in str(why_kept(layers["avx512"]))
-    assert why_kept(layers["plain"]) is None
-    assert replace_4bit_linears(layers) == 1
+    assert "bfloat16" in str(why_kept_4bit(layers["bf16"]))
+    assert "AVX512-BF16" in str(why_kept_4bit(layers["avx512"]))
+    assert why_kept_4bit(layers["plain"]) is None
+    assert replace_bnb_linears(layers) == 1
     assert isinstance(layers["plain"], FourBitLinear)
     assert isinstance(layers["bf16"], bnb.nn.Linear4bit)
     assert isinstance(layers["avx512"], bnb.nn.Linear4bit)
     assert type(layers["unquantized"]) is torch.nn.Linear
+
+
+def int8_layer(out_features: int, in_features: int, threshold: float, bias: bool) -> Any:
+    torch.manual_seed(out_features + in_features)
+    layer = bnb.nn.Linear8bitLt(
+        in_features, out_features, bias=bias, has_fp16_weights=False, threshold=threshold
+    )
+    weight = torch.randn(out_features, in_features) * 0.05
+    layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    if bias:
+        layer.bias = torch.nn.Parameter(torch.randn(out_features), requires_grad=False)
+    return layer.to("cpu").eval()  # quantizes; eval: the inference path (MatMul8bitLt)
+
+
+def int8_input(rows: int, in_features: int, outliers: bool) -> torch.Tensor:
+    x = torch.randn(rows, in_features)
+    if outliers:  # LLM.int8's outlier features: a few columns far above the threshold
+        x[:, [3, 50, 51]] *= 20.0
+    return x
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, DEQUANTIZE_ROWS - 1, DEQUANTIZE_ROWS, 300])
+@pytest.mark.parametrize(
+    ("threshold", "outliers", "bias"),
+    [(6.0, True, True), (6.0, False, False), (0.0, True, False)],
+)
+def test_int8_products_equal_bitsandbytes_bit_for_bit(
+    rows: int, threshold: float, outliers: bool, bias: bool
+) -> None:
+    """The same quantization, int32 product (exact), dequantization and outlier product as
+    bitsandbytes' own layer: equal results, not merely close."""
+    layer = int8_layer(97, 192, threshold, bias)
+    x = int8_input(rows, 192, outliers)
+    with torch.no_grad():
+        expected = layer(x.clone())
+        mine = Int8Linear(layer, kernel())  # after the call: its weight moved into its state
+        got = mine(x)
+    assert got.shape == expected.shape == (rows, 97)
+    assert torch.equal(got, expected)
+    if outliers and threshold:
+        assert (x.abs() >= threshold).any()  # the outlier path ran
+
+
+def test_int8_layers_replace_before_or_after_their_first_call_and_keep_fp16_ones() -> None:
+    fresh, called = int8_layer(64, 128, 6.0, False), int8_layer(64, 128, 6.0, False)
+    x = int8_input(5, 128, True)
+    with torch.no_grad():
+        expected = called(x.clone())
+    trainable = bnb.nn.Linear8bitLt(128, 64, has_fp16_weights=True)
+    assert "float16" in str(why_kept_int8(trainable))
+    layers = torch.nn.ModuleDict({"fresh": fresh, "called": called, "trainable": trainable})
+    assert replace_bnb_linears(layers) == 2
+    assert isinstance(layers["fresh"], Int8Linear) and isinstance(layers["called"], Int8Linear)
+    with torch.no_grad():
+        assert torch.equal(layers["fresh"](x), expected)
+        assert torch.equal(layers["called"](x), expected)
+    assert isinstance(layers["trainable"], bnb.nn.Linear8bitLt)
+
+
+def test_int8_kernel_rounds_every_step_as_bitsandbytes_over_many_inputs() -> None:
+    """One kernel call does bitsandbytes' float16 cast, outlier split, row scales (torch's
+    127 / s is s.reciprocal() * 127), half-to-even rounding and dequantization: 40 random batches
+    of every size below DEQUANTIZE_ROWS, scales from tiny to outlier-heavy, a zero row, all
+    equal to bitsandbytes' results."""
+    layer = int8_layer(67, 256, 6.0, True)
+    mine = Int8Linear(layer, kernel())
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        rows = 1 + trial * 3 % (DEQUANTIZE_ROWS - 1)
+        x = torch.randn(rows, 256, generator=gen) * float(10 ** (trial % 5 - 2))
+        x[rows // 2] = 0.0
+        with torch.no_grad():
+            assert torch.equal(mine(x), layer(x.clone())), f"trial {trial}: {rows} rows"
