@@ -58,7 +58,6 @@ def load_kernel() -> ctypes.CDLL | None:
     signatures = {
         "fourbit_linear": [p, i, i, p, p, p, i, i, p, p],
         "fourbit_dequantize": [p, p, p, i, i, i, i, p],
-        "int8_linear": [p, i, i, p, i, p],
         "llm_int8_linear": [p, i, i, p, p, i, p, ctypes.c_float, p, p, p],
     }
     return load_library(SOURCE, COMPILE, signatures, "bitsandbytes' own layers kept")
@@ -107,7 +106,7 @@ def why_kept_4bit(module: Any) -> str | None:
 
 
 class FourBitLinear(nn.Module):
-    """A bitsandbytes 4-bit linear (float32 compute) through `kernels/fourbit_linear.c`."""
+    """A bitsandbytes 4-bit linear (float32 compute) through `kernels/bnb_linear.c`."""
 
     codes: torch.Tensor
     absmax: torch.Tensor

@@ -7,10 +7,9 @@
  *   fourbit_dequantize  rows [lo, hi) of W into `out` ([hi - lo, K], row-major): the same float32
  *                       products bitsandbytes' `dequantize_4bit` writes, bit for bit.
  *   fourbit_linear      y[M, N] = x[M, K] W^T (+ bias[N]).
- * int8: W[n, k] = (float)codes[n * K + k].
- *   int8_linear         y[M, N] = x[M, K] W^T. With x holding int8 values too, every product
- *                       and partial sum is an integer, exact in float32 below 2^24: the int32
- *                       product bitsandbytes computes (as a float32 matmul, or `torch._int_mm`).
+ * int8: W[n, k] = (float)codes[n * K + k]; with x holding int8 values too, every product and
+ * partial sum is an integer, exact in float32 below 2^24: the int32 product bitsandbytes computes
+ * (as a float32 matmul, or `torch._int_mm`).
  *   llm_int8_linear     LLM.int8 as bitsandbytes 0.50's torch ops compute it (`MatMul8bitLt` at
  *                       inference), step for step in the same float32 / float16 roundings:
  *                       h = float16(x); with threshold t > 0, elements |h| >= t are outliers
@@ -202,11 +201,6 @@ int fourbit_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, c
                    const float *lut, int64_t blocksize, int64_t N, const float *bias, float *y) {
     const weight_t weight = {codes, absmax, lut, blocksize};
     return tiled_linear(x, M, K, &weight, N, bias, y);
-}
-
-int int8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, int64_t N, float *y) {
-    const weight_t weight = {codes, NULL, NULL, 0};
-    return tiled_linear(x, M, K, &weight, N, NULL, y);
 }
 
 static inline float to_float16(float v) {
