@@ -31,19 +31,12 @@ import torch
 from torch import nn
 
 from compress.packed import dequantized_linear
-from serve.model.native import KERNELS, load_library
+from serve.model.native import KERNELS, ROUNDED_AS_WRITTEN, load_library
 
 SOURCE = KERNELS / "bnb_linear.c"
-COMPILE = [
-    "-O3",
-    "-march=native",
-    "-fopenmp",
-    "-ffp-contract=off",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-]
-"""No -ffast-math and no contraction: each 4-bit weight is bitsandbytes' float32 product of its
-code's value and scale, and LLM.int8's steps round as its torch ops do."""
+COMPILE = ROUNDED_AS_WRITTEN
+"""Each 4-bit weight is bitsandbytes' float32 product of its code's value and scale, and
+LLM.int8's steps round as its torch ops do."""
 DEQUANTIZE_ROWS = 128
 """Rows from which a call dequantizes slices of the weight and runs `F.linear`. Measured on a
 2-core AVX2 CPU at SmolLM2's shapes (576 -> 3,072, 1,536 -> 576): the kernel takes 0.6-0.8x

@@ -18,18 +18,11 @@ from typing import Any
 
 import torch
 
-from serve.model.native import KERNELS, load_library
+from serve.model.native import KERNELS, ROUNDED_AS_WRITTEN, load_library
 
 SOURCE = KERNELS / "fused_ops.c"
-COMPILE = [
-    "-O3",
-    "-march=native",
-    "-fopenmp",
-    "-ffp-contract=off",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-]
-"""No -ffast-math: the products and sums round as torch's do (see the kernel's header)."""
+COMPILE = ROUNDED_AS_WRITTEN
+"""The products and sums round as torch's do (see the kernel's header)."""
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES: dict[str, list[type]] = {

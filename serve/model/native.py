@@ -28,6 +28,17 @@ log = logging.getLogger(__name__)
 KERNELS = Path(__file__).with_name("kernels")
 LINK = ["-shared", "-fopenmp"]
 NEEDS_COMPILER = "it needs a C compiler (gcc or clang as `cc`, or $CC) to build its kernel"
+ROUNDED_AS_WRITTEN = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+]
+"""Flags of kernels whose float results must equal torch's: no -ffast-math and no contraction of
+a product and a sum into one FMA (explicit FMA intrinsics stay FMAs), so each operation rounds
+where the source writes it."""
 
 
 def _cpu_identity() -> str:
