@@ -52,6 +52,8 @@ def load_kernel() -> ctypes.CDLL | None:
         "fourbit_linear": [p, i, i, p, p, p, i, i, p, p],
         "fourbit_dequantize": [p, p, p, i, i, i, i, p],
         "llm_int8_linear": [p, i, i, p, p, i, p, ctypes.c_float, p, p, p],
+        "llm_int8_quantize": [p, i, i, ctypes.c_float, p, p, p, p],
+        "llm_int8_dequantize": [p, i, i, p, p, p],
     }
     return load_library(SOURCE, COMPILE, signatures, "bitsandbytes' own layers kept")
 
@@ -206,18 +208,17 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """bitsandbytes' `MatMul8bitLt.forward` at inference: below `DEQUANTIZE_ROWS` rows one
-        kernel call (`llm_int8_linear`), from there bitsandbytes' own quantization and
-        dequantization ops around a dequantizing product."""
+        kernel call (`llm_int8_linear`), from there the kernel's quantization and dequantization
+        around a dequantizing product."""
         a = x.reshape(-1, self.in_features).float().contiguous()
         if a.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
         bias = None if self.bias is None else self.bias.float().contiguous()
-        outlier_cols: torch.Tensor | None
         if a.shape[0] < DEQUANTIZE_ROWS:
             y, outlier_cols = self._kernel_call(a, bias)
         else:
-            y, outlier_cols = self._bitsandbytes_ops(a, bias)
-        if self.threshold > 0 and outlier_cols is not None and outlier_cols.numel():
+            y, outlier_cols = self._dequantizing_product(a, bias)
+        if self.threshold > 0 and outlier_cols.numel():
             import bitsandbytes.functional as bnb_functional
 
             columns = self.codes[:, outlier_cols].contiguous()
@@ -247,19 +248,36 @@ class Int8Linear(nn.Module):
             raise MemoryError("llm_int8_linear: no memory for its buffers")
         return y, cols[: count.value]
 
-    def _bitsandbytes_ops(
+    def _dequantizing_product(
         self, a: torch.Tensor, bias: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        import bitsandbytes.functional as bnb_functional
-
-        codes, row_scales, outlier_cols = bnb_functional.int8_vectorwise_quant(
-            a.to(torch.float16), threshold=self.threshold
-        )
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = a.shape[0]
+        codes, row_scales = torch.empty_like(a), torch.empty(rows)
+        cols = torch.empty(self.in_features, dtype=torch.int64)
+        count = ctypes.c_int64(0)
+        if self.lib.llm_int8_quantize(
+            a.data_ptr(),
+            rows,
+            self.in_features,
+            self.half_threshold,
+            codes.data_ptr(),
+            row_scales.data_ptr(),
+            cols.data_ptr(),
+            ctypes.byref(count),
+        ):
+            raise MemoryError("llm_int8_quantize: no memory for its buffers")
         weight = self.codes
-        product = dequantized_linear(codes.float(), lambda i, j: weight[i:j].float(), len(weight))
-        dequant = torch.ops.bitsandbytes.int8_mm_dequant.default
-        y = dequant(product.to(torch.int32), row_scales, self.scales, dtype=a.dtype, bias=bias)
-        return y, outlier_cols
+        y = dequantized_linear(codes, lambda i, j: weight[i:j].float(), self.out_features)
+        y = y.contiguous()
+        self.lib.llm_int8_dequantize(
+            y.data_ptr(),
+            rows,
+            self.out_features,
+            row_scales.data_ptr(),
+            self.scales.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+        )
+        return y, cols[: count.value]
 
 
 def replace_bnb_linears(model: nn.Module) -> int:

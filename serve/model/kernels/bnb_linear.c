@@ -18,6 +18,7 @@
  *                       columns zeroed when M > 1; i = q W^T (exact); y = i * (s[m] * scales[n])
  *                       * 6.200124e-05f (+ bias[n]). The caller adds the outlier columns'
  *                       float product (bitsandbytes' addmm) when any were listed.
+ *   llm_int8_quantize, llm_int8_dequantize: its two sides alone, around another product.
  * Each thread decodes a tile of W's rows into a buffer that stays in cache, then multiplies every
  * row of x by it; float32 throughout: bitsandbytes' dequantize + matmul up to the order of sums.
  * Contract (checked by the caller): K % 8 == 0, blocksize % 8 == 0, all arrays contiguous.
@@ -217,6 +218,7 @@ static float half_row(const float *x, int64_t K, float threshold, float *h, char
     for (int64_t k = 0; k < K; k++) {
         float v = to_float16(x[k]);
         if (threshold > 0.0f && fabsf(v) >= threshold) {
+#pragma omp atomic write
             flags[k] = 1;
             v = 0.0f;
         }
@@ -226,21 +228,18 @@ static float half_row(const float *x, int64_t K, float threshold, float *h, char
     return top;
 }
 
-int llm_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
-                    int64_t N, const float *bias, float threshold, float *y, int64_t *outlier_cols,
-                    int64_t *outliers) {
-    float *q = malloc((size_t)(M * K + M) * sizeof(float));
+/* LLM.int8's input side: x [M, K] -> q (int8 values as float32, [M, K]) and s [M]; outlier
+ * columns listed in ascending order. */
+int llm_int8_quantize(const float *x, int64_t M, int64_t K, float threshold, float *q,
+                      float *row_scale, int64_t *outlier_cols, int64_t *outliers) {
     char *flags = calloc((size_t)K, 1);
-    if (q == NULL || flags == NULL) {
-        free(q);
-        free(flags);
-        return 1;
-    }
-    float *row_scale = q + M * K;
+    if (flags == NULL) return 1;
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t m = 0; m < M; m++) row_scale[m] = half_row(x + m * K, K, threshold, q + m * K, flags);
     *outliers = 0;
     for (int64_t k = 0; k < K; k++)
         if (flags[k]) outlier_cols[(*outliers)++] = k;
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t m = 0; m < M; m++) {
         const float factor = (1.0f / row_scale[m]) * 127.0f; /* torch's 127 / s: s.reciprocal() * 127 */
         float *row = q + m * K;
@@ -249,14 +248,32 @@ int llm_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, c
             row[k] = (M > 1 && flags[k]) || !isfinite(v) ? 0.0f : v;
         }
     }
-    const weight_t weight = {codes, NULL, NULL, 0};
-    const int failed = tiled_linear(q, M, K, &weight, N, NULL, y);
-    for (int64_t m = 0; m < M && !failed; m++)
+    free(flags);
+    return 0;
+}
+
+/* LLM.int8's output side, in place: y [M, N] holds the exact integer products. */
+int llm_int8_dequantize(float *y, int64_t M, int64_t N, const float *row_scale, const float *scales,
+                        const float *bias) {
+#pragma omp parallel for schedule(static) if (M * N >= 65536)
+    for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) {
             const float v = (float)(int32_t)y[m * N + n] * (row_scale[m] * scales[n]) * 6.200124e-05f;
             y[m * N + n] = bias ? v + bias[n] : v;
         }
+    return 0;
+}
+
+int llm_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
+                    int64_t N, const float *bias, float threshold, float *y, int64_t *outlier_cols,
+                    int64_t *outliers) {
+    float *q = malloc((size_t)(M * K + M) * sizeof(float));
+    if (q == NULL) return 1;
+    float *row_scale = q + M * K;
+    const weight_t weight = {codes, NULL, NULL, 0};
+    int failed = llm_int8_quantize(x, M, K, threshold, q, row_scale, outlier_cols, outliers);
+    failed = failed || tiled_linear(q, M, K, &weight, N, NULL, y);
+    if (!failed) llm_int8_dequantize(y, M, N, row_scale, scales, bias);
     free(q);
-    free(flags);
     return failed;
 }
