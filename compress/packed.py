@@ -398,7 +398,6 @@ def adopt_torchao_int4(model: nn.Module) -> int:
         )
         if linear is None:
             continue
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, linear)
+        model.set_submodule(name, linear)
         replaced += 1
     return replaced

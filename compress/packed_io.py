@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 
 from compress.load_spec import PACKED, PACKED_VERSION, LoadSpec
 from compress.packed import (
@@ -115,7 +114,7 @@ def load_packed(
         old = model.get_submodule(name)
         qw = take_quantized(state, name, fmt.bits, device)
         bias = state.pop(f"{name}.bias", None)
-        _replace(model, name, packed_module(fmt, qw, bias, dtype))
+        model.set_submodule(name, packed_module(fmt, qw, bias, dtype))
         del old
     embed_fmt = stored_embedding_format(spec)
     embed_name = _embedding_name(model)
@@ -155,15 +154,10 @@ def _install_embeddings(
     name = _embedding_name(model)
     old = model.get_submodule(name)
     embedding = packed_embedding(fmt, qw, dtype, getattr(old, "embed_scale", None))
-    _replace(model, name, embedding)
+    model.set_submodule(name, embedding)
     if tied:  # the head reads the same codes: one copy in memory
-        _replace(model, "lm_head", embedding.linear)
+        model.set_submodule("lm_head", embedding.linear)
         # tied already: transformers' `tie_weights()` (lm-eval's HFLM calls it) would look for
         # a float `embed_tokens.weight` that the packed lookup does not have
         model._tied_weights_keys = None
         model.all_tied_weights_keys = {}
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, attr, module)

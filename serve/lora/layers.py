@@ -178,9 +178,7 @@ def wrap(
     """Replace every adaptable linear layer by a LoraLinear around it; return them by name."""
     wrapped = {}
     for name, (module, in_f, out_f) in adaptable_linears(model).items():
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
         layer = LoraLinear(module, in_f, out_f, num_slots, max_rank, device, dtype)
-        setattr(parent, attr, layer)
+        model.set_submodule(name, layer)
         wrapped[name] = layer
     return wrapped

@@ -299,6 +299,5 @@ def replace_bnb_linears(model: nn.Module) -> int:
     if lib is None:
         return 0
     for name, module, replacement in targets:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, replacement(module, lib))
+        model.set_submodule(name, replacement(module, lib))
     return len(targets)

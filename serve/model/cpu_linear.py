@@ -214,6 +214,5 @@ def prepack_linears(model: nn.Module, merge_groups: bool = True) -> int:
         if _packable(m, dtypes) or _widenable(m, dtypes)
     ]
     for name, kind, module in targets:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, kind(module))
+        model.set_submodule(name, kind(module))
     return grouped + len(targets)
