@@ -27,6 +27,7 @@ import torch
 from compress import packed
 from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from serve.model.bnb_linear import FourBitLinear, Int8Linear
 
 
 def tokens_per_second(
@@ -99,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.kernels_at_every_size:
             systems[f"{d.name}:kernels"] = (engine, sys.maxsize)
         if args.bitsandbytes_layers and any(
-            type(m).__name__ in ("FourBitLinear", "Int8Linear")
-            for m in engine.runner.model.modules()
+            isinstance(m, (FourBitLinear, Int8Linear)) for m in engine.runner.model.modules()
         ):
             own = load_engine(d, args.requests, bitsandbytes_layers=True)
             systems[f"{d.name}:bitsandbytes"] = (own, packed.DEQUANTIZE_ROWS)

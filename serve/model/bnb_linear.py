@@ -8,16 +8,16 @@ step of one sequence against the float32 model's 44. The replacements keep the s
 scales and run `kernels/bnb_linear.c`, which decodes a tile of weight rows at a time in cache:
 - `FourBitLinear`: the weights bitsandbytes dequantizes, bit for bit, multiplied in float32:
   its products up to the order of the sums.
-- `Int8Linear`: LLM.int8 as bitsandbytes computes it (the input rounded to float16 and
-  quantized per row by bitsandbytes' own op, outlier columns in float32, its dequantization op),
-  but the int8 product from the kernel: exact integers in float32 below 2^24, so the same int32
-  bitsandbytes computes.
+- `Int8Linear`: LLM.int8 as bitsandbytes' torch ops compute it, step for step in their roundings
+  (the input rounded to float16 and quantized per row, outlier columns listed, the dequantization),
+  in the kernel; the int8 product in float32 is exact integers below 2^24, so the same int32
+  bitsandbytes computes; the outlier columns' float product stays bitsandbytes' `addmm`.
 Calls of `DEQUANTIZE_ROWS` rows or more (prefill chunks, evaluation batches) decode a bounded
 slice of rows at a time and multiply through `F.linear`, which is faster there.
 A layer stays bitsandbytes' where bitsandbytes computes differently (its AVX512-BF16 4-bit kernel
 multiplies in bfloat16; a compute dtype other than float32; float16 int8 weights) or where the
-kernel's contract does not hold (in_features and the block size multiples of 8); `why_kept`
-says which. Double-quantized 4-bit block scales are dequantized once, as bitsandbytes does on
+kernel's contract does not hold (in_features and the block size multiples of 8);
+`why_kept_4bit` / `why_kept_int8` say which. Double-quantized 4-bit block scales are dequantized once, as bitsandbytes does on
 every call: 4 bytes a block of 64 weights in memory instead of about 1.
 """
 
@@ -201,7 +201,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("codes", codes.contiguous(), persistent=False)
         self.register_buffer("scales", scales.float().contiguous(), persistent=False)
         bias = linear.bias
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, int8, threshold {self.threshold}"
@@ -213,11 +213,10 @@ class Int8Linear(nn.Module):
         a = x.reshape(-1, self.in_features).float().contiguous()
         if a.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        bias = None if self.bias is None else self.bias.float().contiguous()
         if a.shape[0] < DEQUANTIZE_ROWS:
-            y, outlier_cols = self._kernel_call(a, bias)
+            y, outlier_cols = self._kernel_call(a, self.bias)
         else:
-            y, outlier_cols = self._dequantizing_product(a, bias)
+            y, outlier_cols = self._dequantizing_product(a, self.bias)
         if self.threshold > 0 and outlier_cols.numel():
             import bitsandbytes.functional as bnb_functional
 
