@@ -2,24 +2,30 @@
 # The CUDA check, for a lent GPU machine (the `device` tool's nvidia-h200: PyTorch, Triton and
 # pytest preinstalled, nothing downloadable there). Never part of CI.
 #
-#   benchmarks/gpu.sh prepare   # here, with internet: wheels the GPU image lacks -> .whl/
-#   benchmarks/gpu.sh run       # there (carry .whl): gpu tests, then the per-step benchmark
+#   benchmarks/gpu.sh prepare   # here, with internet: wheels the GPU image lacks -> .whl/, and
+#                               # the trained demo models (their tokenizers) -> .gpucache/
+#   benchmarks/gpu.sh run       # there (carry .whl .gpucache): gpu tests, then step_bench
 #
-# `run` writes everything under ${OUT:-/tmp/gpu-check}: pytest's log, step_bench's table (bf16
-# engine eager and compiled vs transformers' generate) and nvidia-smi's view. About 6-8 minutes:
-# the demo-tiny and 25M models are built there first (a few minutes of CPU training).
+# `run` writes everything under ${OUT:-/tmp/gpu-check}: pytest's log, step_bench's table (the
+# engine in float32 and bf16, eager and compiled, vs transformers' generate) and nvidia-smi's
+# view. The models are trained here, not there: the GPU machine's minutes are the scarce ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl
 # Packages our code imports that the image does not hold, or holds at another version. Exact
 # versions are read from this checkout's .venv so both machines run the same libraries.
-PACKAGES="transformers huggingface-hub hf-xet tokenizers safetensors accelerate peft pydantic
-pydantic-core annotated-types typing-inspection dill platformdirs pyyaml regex tqdm rich"
+PACKAGES="transformers huggingface-hub hf-xet tokenizers safetensors accelerate peft kernels tomlkit
+httpx2 httpcore2 truststore idna h11 anyio pydantic pydantic-core annotated-types typing-inspection
+typing-extensions typer click shellingham annotated-doc platformdirs pyyaml regex tqdm rich fastapi
+starlette uvicorn opentelemetry-api"
+CACHE=.gpucache
 
 prepare() {
   exclude=$(git rev-parse --git-dir)/info/exclude
   mkdir -p "$(dirname "$exclude")"
-  grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
+  for path in /.whl/ /$CACHE/; do
+    grep -qx "$path" "$exclude" 2>/dev/null || echo "$path" >> "$exclude"
+  done
   mkdir -p "$WHEELS"
   for name in $PACKAGES; do
     version=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('$name'))")
@@ -27,7 +33,9 @@ prepare() {
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 --platform any -d "$WHEELS" "$name==$version"
   done
-  du -sh "$WHEELS"
+  WORKBENCH_CACHE_DIR=$CACHE .venv/bin/python -c \
+    "from catalog import ensure_demo_model; ensure_demo_model('demo'); ensure_demo_model('demo-tiny')"
+  du -sh "$WHEELS" "$CACHE"
 }
 
 run() {
@@ -35,12 +43,15 @@ run() {
   mkdir -p "$out"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHEELS"/*.whl
+  rm -rf /tmp/wbcache && cp -r "$CACHE" /tmp/wbcache
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 WORKBENCH_CACHE_DIR=/tmp/wbcache
   nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-  python3 -m pytest -p no:cacheprovider -m gpu -o addopts="" tests/serve/test_cuda.py -ra \
-    2>&1 | tee "$out/pytest.log"
-  python3 -m benchmarks.step_bench --device cuda --rounds 3 \
-    --systems engine-bf16,engine-bf16-compile,generate-bf16 2>&1 | tee "$out/step_bench.txt"
+  python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
+  timeout "${TEST_SECONDS:-240}" python3 -m pytest -p no:cacheprovider -m gpu -o addopts="" \
+    tests/serve/test_cuda.py tests/compress/test_packed.py -ra --durations=10 \
+    2>&1 | tee "$out/pytest.log" || true
+  timeout "${BENCH_SECONDS:-180}" python3 -m benchmarks.step_bench --device cuda --rounds 3 \
+    --systems engine,engine-bf16,engine-bf16-compile,generate-bf16 2>&1 | tee "$out/step_bench.txt"
 }
 
 case "${1:-}" in

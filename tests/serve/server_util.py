@@ -49,11 +49,12 @@ def start_thread_server(
     max_model_len: int = 512,
     lora: LoraConfig | None = None,
     generation_config: str = "auto",
+    device: str = "cpu",
     **settings: object,
 ) -> ThreadServer:
     engine = LLMEngine(
         ModelConfig(
-            str(model_dir), dtype="float32", device="cpu", generation_config=generation_config
+            str(model_dir), dtype="float32", device=device, generation_config=generation_config
         ),
         CacheConfig(block_size=16, num_blocks=num_blocks),
         SchedulerConfig(

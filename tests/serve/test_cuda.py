@@ -1,20 +1,70 @@
-"""The CUDA path (bf16, SDPA over gathered blocks): runs only where a GPU is present."""
+"""The CUDA paths: SDPA over gathered blocks, the step's copies to and from the device, the
+sampler, LoRA slots, the int8 cache, compile and the server, each against transformers (or PEFT)
+on the same GPU. Runs only where a GPU is present (marker `gpu`; `benchmarks/gpu.sh run`).
+
+float32 comparisons are token-exact, as on the CPU: TF32 is off in PyTorch by default, and the
+test models' logit gaps stay far above float32 noise (tests/serve/conftest.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from serve import LLMEngine, SamplingParams
-from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
-from tests.serve.conftest import Case
+from serve.core.config import CacheConfig, KVCacheDtype, ModelConfig, SchedulerConfig
+from serve.lora.manager import LoraConfig
+from serve.model.kv_cache import Int8KV
+from tests.serve.conftest import Case, make_cases
+from tests.serve.server_util import start_thread_server
+from tests.serve.test_engine_exact import assert_equal, run
+from tests.serve.test_lora_engine import ADAPTERS, make_adapter, run_all
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU on this machine)"),
 ]
+
+
+def cuda_engine(
+    model_dir: Path,
+    dtype: str = "float32",
+    num_blocks: int = 512,
+    budget: int = 2048,
+    kv_cache_dtype: KVCacheDtype = "auto",
+    lora: LoraConfig | None = None,
+    compile_model: bool = False,
+) -> LLMEngine:
+    return LLMEngine(
+        ModelConfig(str(model_dir), dtype=dtype, device="cuda", compile=compile_model),  # type: ignore[arg-type]
+        CacheConfig(block_size=16, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype),
+        SchedulerConfig(max_num_batched_tokens=budget),
+        lora=lora,
+    )
+
+
+def cuda_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+
+
+def cuda_generate(model: torch.nn.Module, cases: list[Case]) -> list[list[int]]:
+    """Greedy, one request at a time, stopping at eos like the engine."""
+    outs = []
+    with torch.inference_mode():
+        for case in cases:
+            ids = torch.tensor([case.prompt], device="cuda")
+            gen = model.generate(  # type: ignore[operator]
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=case.max_tokens,
+                do_sample=False,
+            )
+            outs.append(gen[0, ids.shape[1] :].tolist())
+    return outs
 
 
 @pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
@@ -23,8 +73,6 @@ def test_bf16_engine_agrees_with_generate_on_cuda(
 ) -> None:
     """bf16 rounding differs between kernels, so greedy paths may fork after a near-tie: compare
     the first 8 tokens, and require agreement on at least 90% of the requests."""
-    from transformers import AutoModelForCausalLM
-
     engine = LLMEngine(
         ModelConfig(
             str(model_dirs["llama"]), dtype="bfloat16", device="cuda", compile=compile_model
@@ -36,27 +84,159 @@ def test_bf16_engine_agrees_with_generate_on_cuda(
         engine.runner.kv_caches[0][0].is_cuda
         and engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     )
-    for i, c in enumerate(cases):
+    short = [Case(c.prompt, 8) for c in cases]
+    for i, c in enumerate(short):
         engine.add_request(
             str(i), c.prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         )
     outputs = {}
     while engine.has_unfinished_requests():
         outputs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    model = (
-        AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype=torch.bfloat16)
-        .cuda()
-        .eval()
-    )
+    model = cuda_model(model_dirs["llama"], torch.bfloat16)
     agree = 0
-    for i, c in enumerate(cases):
-        ids = torch.tensor([c.prompt], device="cuda")
-        ref = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[
-            0, len(c.prompt) :
-        ]
-        agree += ref.tolist() == outputs[str(i)]
+    with torch.inference_mode():
+        for i, c in enumerate(short):
+            ids = torch.tensor([c.prompt], device="cuda")
+            ref = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            agree += ref[0, len(c.prompt) :].tolist() == outputs[str(i)]
     assert agree >= 0.9 * len(cases)
     assert engine.scheduler.pool.num_free_blocks == engine.runner.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mistral"])
+def test_float32_engine_equals_generate_on_cuda(
+    arch: str, model_dirs: dict[str, Path], cases: list[Case]
+) -> None:
+    engine = cuda_engine(model_dirs[arch])
+    assert engine.runner.device.type == "cuda"
+    expected = cuda_generate(cuda_model(model_dirs[arch]), cases)
+    assert_equal(run(engine, cases), expected, list(range(len(cases))))
+
+
+def test_float32_engine_on_cuda_keeps_its_tokens_through_preemption_chunks_and_prefix_hits(
+    model_dirs: dict[str, Path], cases: list[Case]
+) -> None:
+    """A 40-block pool preempts, a 128-token budget chunks prompts, the second pass hits the
+    prefix cache: the same tokens as with ample KV, and every block free after each run (`run`)."""
+    ample = run(cuda_engine(model_dirs["llama"]), cases)
+    tight = cuda_engine(model_dirs["llama"], num_blocks=40, budget=128)
+    ids = list(range(len(cases)))
+    assert_equal(run(tight, cases), [ample[i] for i in ids], ids)
+    assert_equal(run(tight, cases[:8]), [ample[i] for i in range(8)], list(range(8)))
+    stats = tight.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+
+
+def test_lora_mixed_batch_equals_peft_on_cuda(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Four adapters and the base in one batch, device slots on the GPU: each request's greedy
+    tokens equal PEFT's on the GPU with only its adapter active."""
+    from peft import PeftModel
+
+    model_dir = model_dirs["llama"]
+    adapters = {
+        name: make_adapter(model_dir, tmp_path / name, i, **cfg)
+        for i, (name, cfg) in enumerate(ADAPTERS.items())
+    }
+    prompts = make_cases(6, seed=11, vocab=500, max_prompt=40)
+    cases = [Case(c.prompt, 12) for c in prompts]
+    engine = cuda_engine(
+        model_dir, num_blocks=256, budget=256, lora=LoraConfig(max_loras=4, max_lora_rank=16)
+    )
+    versions = {name: engine.load_lora(name, str(path)) for name, path in adapters.items()}
+    requests, expected = [], {}
+    for name in [None, *adapters]:
+        model = cuda_model(model_dir)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, adapters[name]).eval()
+        reference = cuda_generate(model, cases)
+        for i, c in enumerate(cases):
+            requests.append((f"{name}-{i}", c.prompt, versions[name] if name else None))
+            expected[f"{name}-{i}"] = reference[i]
+    interleaved = sorted(requests, key=lambda r: int(r[0].rsplit("-", 1)[1]))
+    outputs = run_all(engine, interleaved, 12)
+    assert {rid: outputs[rid] for rid in expected} == expected
+    assert any(expected[f"qv4-{i}"] != expected[f"None-{i}"] for i in range(len(cases)))
+    assert engine.scheduler.pool.num_free_blocks == engine.runner.num_blocks
+
+
+def test_int8_kv_on_cuda_equals_generate_over_keys_and_values_rounded_as_stored(
+    model_dirs: dict[str, Path], cases: list[Case]
+) -> None:
+    from evals.int8_kv import with_kv_cache_dtype
+
+    engine = cuda_engine(model_dirs["llama"], kv_cache_dtype="int8")
+    keys = engine.runner.kv_caches[0][0]
+    assert isinstance(keys, Int8KV) and keys.data.is_cuda and keys.data.dtype == torch.int8
+    model = with_kv_cache_dtype(cuda_model(model_dirs["llama"]), "int8")
+    expected = cuda_generate(model, cases[:12])
+    assert_equal(run(engine, cases[:12]), expected, list(range(12)))
+
+
+def test_seeded_samples_on_cuda_do_not_depend_on_the_batch(
+    model_dirs: dict[str, Path], cases: list[Case]
+) -> None:
+    def sample(prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+        engine = cuda_engine(model_dirs["llama"])
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), p, sp)
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            out.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        return [out[str(i)] for i in range(len(prompts))]
+
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=42)
+    alone = sample([cases[5].prompt], [params])[0]
+    others = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=i) for i in range(6)]
+    crowd = sample([c.prompt for c in cases[:6]] + [cases[5].prompt], [*others, params])
+    assert crowd[-1] == alone
+    other_seed = SamplingParams(max_tokens=24, temperature=1.0, seed=43)
+    assert sample([cases[5].prompt], [other_seed])[0] != alone
+
+
+def test_prompt_logprobs_on_cuda_equal_transformers(
+    model_dirs: dict[str, Path], cases: list[Case]
+) -> None:
+    """What the engine-backed evaluation reads: every prompt token's log-probability, within
+    1e-4 nats of transformers' log-softmax on the same GPU."""
+    prompts = [c.prompt for c in cases if len(c.prompt) > 8][:8]
+    engine = cuda_engine(model_dirs["llama"], budget=256)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    got: dict[int, list[float]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                ids = prompts[int(out.request_id)]
+                got[int(out.request_id)] = [
+                    lp[t] for t, lp in zip(ids[1:], out.prompt_logprobs[1:], strict=True)
+                ]
+    model = cuda_model(model_dirs["llama"])
+    with torch.inference_mode():
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([p], device="cuda")
+            logprobs = model(ids).logits[0, :-1].float().log_softmax(-1)
+            want = logprobs.gather(-1, ids[0, 1:, None])[:, 0].cpu()
+            torch.testing.assert_close(torch.tensor(got[i]), want, rtol=0, atol=1e-4)
+
+
+def test_server_on_cuda_streams_what_it_returns_whole(model_dirs: dict[str, Path]) -> None:
+    server = start_thread_server(model_dirs["llama"], device="cuda")
+    try:
+        assert server.engine.engine.runner.device.type == "cuda"
+        body = {"model": "test-model", "prompt": "hello there", "max_tokens": 16, "temperature": 0}
+        whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as response:
+            assert response.status_code == 200
+            lines = [x for x in response.iter_lines() if x.startswith("data: {")]
+        import json
+
+        streamed = "".join(json.loads(x[6:])["choices"][0]["text"] for x in lines)
+        assert whole["usage"]["completion_tokens"] == 16
+        assert streamed == whole["choices"][0]["text"]
+    finally:
+        server.stop()
 
 
 def test_kv_cache_sized_from_free_gpu_memory(model_dirs: dict[str, Path]) -> None:
