@@ -48,10 +48,11 @@ run() {
   nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
   timeout "${TEST_SECONDS:-240}" python3 -m pytest -p no:cacheprovider -m gpu -o addopts="" \
-    tests/serve/test_cuda.py tests/compress/test_packed.py -ra --durations=10 \
+    tests/serve/test_cuda.py tests/compress/test_packed.py -ra -s --durations=10 \
     2>&1 | tee "$out/pytest.log" || true
   timeout "${BENCH_SECONDS:-180}" python3 -m benchmarks.step_bench --device cuda --rounds 3 \
-    --systems engine,engine-bf16,engine-bf16-compile,generate-bf16 2>&1 | tee "$out/step_bench.txt"
+    --systems "${SYSTEMS:-engine,engine-bf16,engine-bf16-compile,generate-bf16}" --phases \
+    2>&1 | tee "$out/step_bench.txt"
 }
 
 case "${1:-}" in

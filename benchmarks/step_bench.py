@@ -2,7 +2,7 @@
 a decode step at 1, 16 and 64 running sequences, and the prefill of 1,024 prompt tokens.
 
 `python -m benchmarks.step_bench [--model DIR|demo|llama-25m|smollm2] [--systems engine,sdpa,generate]
-[--rounds 3] [--context 128] [--device cpu|cuda]`
+[--rounds 3] [--context 128] [--device cpu|cuda] [--phases]`
 
 Engine systems: engine (defaults), engine-bf16, engine-compile, engine-bf16-compile, engine-unmerged
 and engine-compile-unmerged (q/k/v and gate/up as separate products), engine-unfused
@@ -109,15 +109,26 @@ def make_engine(
     )
 
 
-def engine_decode_step(engine: LLMEngine, n: int, context: int, tag: str) -> float:
+Phases = dict[int, dict[str, float]]
+"""Decode batch size -> the engine's step phases (`LLMEngine.timings`: schedule, model, sample,
+update), seconds per step in the latest timed run. On CUDA `model` is the launches and `sample`
+waits for the GPU (its host copy of the tokens)."""
+
+
+def engine_decode_step(
+    engine: LLMEngine, n: int, context: int, tag: str, phases: Phases | None = None
+) -> float:
     params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0, ignore_eos=True)
     for i in range(n):
         engine.add_request(f"{tag}-{i}", prompt_ids(i, context, engine.vocab_size), params)
     engine.step()  # the whole prefill: the budget holds it (`make_engine`)
+    before = dict(engine.timings)
     start = time.perf_counter()
     for _ in range(DECODE_STEPS):
         engine.step()
     seconds = (time.perf_counter() - start) / DECODE_STEPS
+    if phases is not None:
+        phases[n] = {k: (v - before.get(k, 0.0)) / DECODE_STEPS for k, v in engine.timings.items()}
     while engine.has_unfinished_requests():
         engine.step()
     return seconds
@@ -178,9 +189,11 @@ def vllm_runs(worker: VllmWorker, vocab: int, context: int, prefill: int) -> Run
     return decode, fill
 
 
-def engine_runs(engine: LLMEngine, context: int, prefill: int) -> Runs:
+def engine_runs(
+    engine: LLMEngine, context: int, prefill: int, phases: Phases | None = None
+) -> Runs:
     def decode(n: int, tag: str) -> float:
-        return engine_decode_step(engine, n, context, tag)
+        return engine_decode_step(engine, n, context, tag, phases)
 
     def fill(tag: str) -> float:
         return engine_prefill(engine, prefill, tag)
@@ -234,14 +247,26 @@ def measure(
     log: Callable[[str], None] = print,
     device: str = "cpu",
     vllm_venv: Path | None = None,
+    show_phases: bool = False,
 ) -> list[Cell]:
     """Every system's decode step at 1/16/64 sequences and its prefill, alternating per round
     (engine steps end in a host copy of the sampled tokens, so CUDA times are complete)."""
+    phases: dict[str, Phases] = {name: {} for name in systems if name in ENGINE_SYSTEMS}
     with contextlib.ExitStack() as stack:
         runs: dict[str, Runs] = {}
         for name in systems:
-            runs[name] = system_runs(name, model, context, prefill, log, device, vllm_venv, stack)
-        return measure_runs(runs, rounds, prefill, log)
+            runs[name] = system_runs(
+                name, model, context, prefill, log, device, vllm_venv, stack, phases.get(name)
+            )
+        cells = measure_runs(runs, rounds, prefill, log)
+    if show_phases:
+        for name, by_batch in phases.items():
+            for n, split in sorted(by_batch.items()):
+                log(
+                    f"{name} decode step at {n:2d}: "
+                    + ", ".join(f"{k} {ms(v)}" for k, v in split.items())
+                )
+    return cells
 
 
 def system_runs(
@@ -253,12 +278,13 @@ def system_runs(
     device: str,
     vllm_venv: Path | None,
     stack: contextlib.ExitStack,
+    phases: Phases | None = None,
 ) -> Runs:
     if name in ENGINE_SYSTEMS:
         engine = make_engine(model, ENGINE_SYSTEMS[name], prefill, context, device)
         if engine.runner.compile_report:
             log(f"{name}: {engine.runner.compile_report.line()}")
-        return engine_runs(engine, context, prefill)
+        return engine_runs(engine, context, prefill, phases)
     if name in GENERATE_SYSTEMS:
         hf = load_baseline_model(model, GENERATE_SYSTEMS[name])
         hf.to(device)  # type: ignore[arg-type]  # transformers types its `to` oddly
@@ -318,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, default=1024, help="prompt tokens of the prefill")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N], for every system")
     parser.add_argument("--vllm-venv", type=Path, help="a venv with vllm(-cpu): system `vllm`")
+    parser.add_argument(
+        "--phases", action="store_true", help="engine decode steps split by phase, at the end"
+    )
     args = parser.parse_args(argv)
     keep_freed_memory()  # before any system runs: the baselines get it too
     measure(
@@ -328,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         args.prefill,
         device=args.device,
         vllm_venv=args.vllm_venv,
+        show_phases=args.phases,
     )
     return 0
 

@@ -67,12 +67,23 @@ def cuda_generate(model: torch.nn.Module, cases: list[Case]) -> list[list[int]]:
     return outs
 
 
+def log_likelihoods(model: torch.nn.Module, sequence: list[int]) -> torch.Tensor:
+    """log p(token t | tokens < t) for t = 1 .. len - 1, in float32."""
+    with torch.inference_mode():
+        ids = torch.tensor([sequence], device="cuda")
+        logprobs = model(ids).logits[0, :-1].float().log_softmax(-1)
+        return logprobs.gather(-1, ids[0, 1:, None])[:, 0].cpu()
+
+
 @pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
-def test_bf16_engine_agrees_with_generate_on_cuda(
+def test_bf16_engine_is_as_close_to_float32_as_transformers_bf16_on_cuda(
     model_dirs: dict[str, Path], cases: list[Case], compile_model: bool
 ) -> None:
-    """bf16 rounding differs between kernels, so greedy paths may fork after a near-tie: compare
-    the first 8 tokens, and require agreement on at least 90% of the requests."""
+    """bf16 rounds differently in every kernel (inductor's fused graphs keep float32 between ops
+    where eager rounds to bf16), so greedy paths may fork after near-ties: token equality with
+    `generate` is no contract here. The contract is accuracy: over the prompt and 8 generated
+    tokens (prefill and decode steps, compiled graphs included) the log-probability the engine
+    reports for each token is as close to the float32 model's as transformers' own bf16 is."""
     engine = LLMEngine(
         ModelConfig(
             str(model_dirs["llama"]), dtype="bfloat16", device="cuda", compile=compile_model
@@ -84,23 +95,32 @@ def test_bf16_engine_agrees_with_generate_on_cuda(
         engine.runner.kv_caches[0][0].is_cuda
         and engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     )
-    short = [Case(c.prompt, 8) for c in cases]
-    for i, c in enumerate(short):
-        engine.add_request(
-            str(i), c.prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        )
+    params = SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0
+    )
+    prompts = [c.prompt for c in cases if len(c.prompt) > 1][:16]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
     outputs = {}
     while engine.has_unfinished_requests():
-        outputs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    model = cuda_model(model_dirs["llama"], torch.bfloat16)
-    agree = 0
-    with torch.inference_mode():
-        for i, c in enumerate(short):
-            ids = torch.tensor([c.prompt], device="cuda")
-            ref = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-            agree += ref[0, len(c.prompt) :].tolist() == outputs[str(i)]
-    assert agree >= 0.9 * len(cases)
+        outputs.update({int(o.request_id): o for o in engine.step() if o.finished})
     assert engine.scheduler.pool.num_free_blocks == engine.runner.num_blocks
+    reference, peer = (
+        cuda_model(model_dirs["llama"]),
+        cuda_model(model_dirs["llama"], torch.bfloat16),
+    )
+    engine_error, peer_error = [], []
+    for i, p in enumerate(prompts):
+        out = outputs[i]
+        sequence = p + out.token_ids
+        reported = [lp[t] for t, lp in zip(p[1:], out.prompt_logprobs[1:], strict=True)]
+        reported += [lp[t] for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+        truth = log_likelihoods(reference, sequence)
+        engine_error.append((torch.tensor(reported) - truth).abs())
+        peer_error.append((log_likelihoods(peer, sequence) - truth).abs())
+    ours, theirs = torch.cat(engine_error).mean().item(), torch.cat(peer_error).mean().item()
+    print(f"bf16 mean |logprob - float32's|: engine {ours:.5f}, transformers {theirs:.5f}")
+    assert 0 < ours <= 1.5 * theirs, (ours, theirs)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mistral"])
@@ -240,13 +260,14 @@ def test_server_on_cuda_streams_what_it_returns_whole(model_dirs: dict[str, Path
 
 
 def test_kv_cache_sized_from_free_gpu_memory(model_dirs: dict[str, Path]) -> None:
+    """The fraction is of the memory free once the weights are loaded (a tiny model here: under
+    1% of the free memory before the engine starts)."""
+    torch.cuda.empty_cache()
+    free_before, _ = torch.cuda.mem_get_info()
     engine = LLMEngine(
         ModelConfig(str(model_dirs["llama"]), dtype="bfloat16", device="cuda"),
         CacheConfig(block_size=16, kv_cache_memory_fraction=0.01),
     )
-    free, _ = torch.cuda.mem_get_info()
-    assert (
-        0.005 * free
-        < engine.runner.kv_bytes
-        <= 0.0101 * free + engine.runner.layout.bytes_per_token() * 16
-    )
+    block = engine.runner.layout.bytes_per_token() * 16
+    assert 0.0099 * free_before < engine.runner.kv_bytes <= 0.01 * free_before + block
+    assert torch.cuda.memory_allocated() >= engine.runner.kv_bytes
