@@ -33,6 +33,14 @@ prepare() {
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 --platform any -d "$WHEELS" "$name==$version"
   done
+  # bitsandbytes holds a library per CUDA version (129 MB unpacked, over the carry limit): only
+  # CUDA 13's (the image's torch is cu130) and the CPU one travel, unpacked onto the path.
+  version=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('bitsandbytes'))")
+  rm -rf "$CACHE/site" /tmp/bnb-wheel && mkdir -p "$CACHE/site"
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_24_x86_64 -d /tmp/bnb-wheel "bitsandbytes==$version"
+  unzip -q /tmp/bnb-wheel/bitsandbytes-*.whl -d "$CACHE/site" \
+    -x 'bitsandbytes/libbitsandbytes_cuda1[12]*' 'bitsandbytes/libbitsandbytes_rocm*'
   WORKBENCH_CACHE_DIR=$CACHE .venv/bin/python -c \
     "from catalog import ensure_demo_model; ensure_demo_model('demo'); ensure_demo_model('demo-tiny')"
   du -sh "$WHEELS" "$CACHE"
@@ -44,12 +52,13 @@ run() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHEELS"/*.whl
   rm -rf /tmp/wbcache && cp -r "$CACHE" /tmp/wbcache
-  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 WORKBENCH_CACHE_DIR=/tmp/wbcache
+  export PYTHONPATH=/tmp/site:/tmp/wbcache/site:$PWD PYTHONUNBUFFERED=1 WORKBENCH_CACHE_DIR=/tmp/wbcache
   nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
   timeout "${TEST_SECONDS:-240}" python3 -m pytest -p no:cacheprovider -m gpu -o addopts="" \
     tests/serve/test_cuda.py tests/compress/test_packed.py -ra -s --durations=10 \
     2>&1 | tee "$out/pytest.log" || true
+  [ "${BENCH:-1}" = 1 ] || return 0
   timeout "${BENCH_SECONDS:-180}" python3 -m benchmarks.step_bench --device cuda --rounds 3 \
     --systems "${SYSTEMS:-engine,engine-bf16,engine-bf16-compile,generate-bf16}" --phases \
     2>&1 | tee "$out/step_bench.txt"

@@ -80,6 +80,13 @@ def _checked(spec: LoadSpec, sidecar: Path) -> LoadSpec:
 
 
 BITSANDBYTES_MATMUL_LOGGER = "bitsandbytes.autograd._functions"
+NO_HUB_KERNELS: dict[str, Any] = {"use_kernels": False}
+"""`from_pretrained` keywords for every load here. With the `kernels` package installed (a
+dependency of transformers 5.25) transformers swaps kernels from the Hugging Face Hub into a model
+loaded with a device map, fetched at load time: offline (HF_HUB_OFFLINE, no network) such a load
+fails ("Version 2 of 'kernels-community/rotary' is not available in the local cache", seen on a
+CUDA machine), and online it would run code downloaded at run time, with other numerics than the
+model's own. A variant must load the same way everywhere, so no load here takes them."""
 """Logs its dtype cast on every int8 product: 145,000 lines (21 MB) in one demo server's log."""
 
 
@@ -130,7 +137,7 @@ def load_model(
         from compress.compressed_tensors_io import load_dense
 
         return load_dense(path, dtype, extra).to(device).eval()
-    kwargs: dict[str, Any] = {"dtype": dtype, **extra}
+    kwargs: dict[str, Any] = {"dtype": dtype, **NO_HUB_KERNELS, **extra}
     if spec.format == "int4-at-load":
         kwargs.update(_int4_at_load(spec))
     elif spec.format == "hf-quantized":

@@ -17,6 +17,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from compress.artifact import Artifact, copy_side_files
 from compress.data import NO_DATA, DataCatalog, check_data_in_context, load_texts, token_rows
+from compress.load_spec import NO_HUB_KERNELS
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.targets import as_peft_regex, select
 from compress.training import TrainConfig, resolve_precision, train
@@ -109,7 +110,7 @@ class Lora(Step):
         p = self.params
         torch.manual_seed(ctx.seed)
         model = AutoModelForCausalLM.from_pretrained(
-            artifact.path, dtype=torch.float32, device_map=ctx.device
+            artifact.path, dtype=torch.float32, device_map=ctx.device, **NO_HUB_KERNELS
         )
         select([n for n, _ in model.named_modules()], p.targets, "lora.targets")
         if artifact.quantization and artifact.quantization.startswith("bnb-"):

@@ -22,7 +22,7 @@ from pydantic import Field
 
 from compress.artifact import Artifact, copy_side_files
 from compress.calibrated import Calibrated, check_embeddings, check_shapes, quantize_packed
-from compress.load_spec import LOAD_QUANTIZATION
+from compress.load_spec import LOAD_QUANTIZATION, NO_HUB_KERNELS
 from compress.mixed import MixedParams, quantize_mixed
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.targets import select
@@ -147,6 +147,7 @@ class Quantize(Step):
             quantization_config=self._config(skipped),
             device_map=ctx.device,
             dtype=torch.float32,
+            **NO_HUB_KERNELS,
         )
         model.save_pretrained(ctx.out_dir, safe_serialization=True)
         copy_side_files(artifact.path, ctx.out_dir)

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from compress.load_spec import NO_HUB_KERNELS
 from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, KVCacheDtype, ModelConfig, SchedulerConfig
 from serve.lora.manager import LoraConfig
@@ -48,7 +49,9 @@ def cuda_engine(
 def cuda_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    return (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **NO_HUB_KERNELS).cuda().eval()
+    )
 
 
 def cuda_generate(model: torch.nn.Module, cases: list[Case]) -> list[list[int]]:
@@ -271,3 +274,75 @@ def test_kv_cache_sized_from_free_gpu_memory(model_dirs: dict[str, Path]) -> Non
     block = engine.runner.layout.bytes_per_token() * 16
     assert 0.0099 * free_before < engine.runner.kv_bytes <= 0.01 * free_before + block
     assert torch.cuda.memory_allocated() >= engine.runner.kv_bytes
+
+
+@pytest.fixture(scope="module")
+def bnb_variants(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict[str, Path]:
+    """The tiny demo model quantized by transformers' bitsandbytes integration on the GPU (int8,
+    nf4), as a user's bitsandbytes checkpoint, and a LoRA adapter for it (PEFT, random B)."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    root = tmp_path_factory.mktemp("bnb")
+    configs = {
+        "int8": BitsAndBytesConfig(load_in_8bit=True),
+        "nf4": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+        ),
+    }
+    out = {}
+    for name, config in configs.items():
+        model = AutoModelForCausalLM.from_pretrained(
+            tiny_model_dir, quantization_config=config, device_map="cuda", **NO_HUB_KERNELS
+        )
+        model.save_pretrained(root / name)
+        AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(root / name)
+        out[name] = root / name
+    out["adapter"] = make_adapter(tiny_model_dir, root / "adapter", 3, **ADAPTERS["all8-rs"])
+    return out
+
+
+@pytest.mark.parametrize("variant", ["int8", "nf4"])
+def test_bitsandbytes_variant_on_cuda_equals_generate(
+    bnb_variants: dict[str, Path], variant: str
+) -> None:
+    """bitsandbytes' own CUDA kernels on both sides (the engine replaces layers only on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    cases = make_cases(8, seed=5, vocab=500, max_prompt=60, max_out=16)
+    model = AutoModelForCausalLM.from_pretrained(
+        bnb_variants[variant], device_map="cuda", **NO_HUB_KERNELS
+    ).eval()
+    expected = cuda_generate(model, cases)
+    engine = cuda_engine(bnb_variants[variant], num_blocks=64, budget=64)
+    kinds = {type(m).__name__ for m in engine.runner.model.modules()}
+    assert kinds & {"Linear8bitLt", "Linear4bit"} and not kinds & {"Int8Linear", "FourBitLinear"}
+    assert_equal(run(engine, cases), expected, list(range(len(cases))))
+
+
+def test_lora_adapter_on_cuda_equals_peft_on_the_nf4_base(bnb_variants: dict[str, Path]) -> None:
+    """QLoRA's serving side: an adapter over bitsandbytes' 4-bit layers on the GPU, mixed with
+    plain requests in one batch, against PEFT on the same nf4 model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, adapter = bnb_variants["nf4"], bnb_variants["adapter"]
+    cases = [Case(c.prompt, 12) for c in make_cases(6, seed=9, vocab=500, max_prompt=40)]
+    engine = cuda_engine(
+        base, num_blocks=128, budget=128, lora=LoraConfig(max_loras=2, max_lora_rank=8)
+    )
+    version = engine.load_lora("shop", str(adapter))
+    requests = [
+        (f"{i}-{a}", c.prompt, version if a == "lora" else None)
+        for i, c in enumerate(cases)
+        for a in ("lora", "base")
+    ]
+    outputs = run_all(engine, requests, 12)
+    plain = AutoModelForCausalLM.from_pretrained(base, device_map="cuda", **NO_HUB_KERNELS).eval()
+    with_adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, device_map="cuda", **NO_HUB_KERNELS), adapter
+    ).eval()
+    for name, model in (("lora", with_adapter), ("base", plain)):
+        expected = cuda_generate(model, cases)
+        assert [outputs[f"{i}-{name}"] for i in range(len(cases))] == expected, name
+    assert any(outputs[f"{i}-lora"] != outputs[f"{i}-base"] for i in range(len(cases)))
