@@ -11,6 +11,8 @@ with its speed against HFLM's, and whether every logged answer agrees with HFLM'
 (log-likelihoods within 1e-3 nats, accuracies equal). HFLM takes the log-softmax in the model's
 dtype unless `--hflm-softmax-dtype float32` (lm-eval's `softmax_dtype`); `ContinuationLM` and the
 engine always take it in float32, so in bfloat16 only that setting compares the models alone.
+Malloc is tuned as the engine tunes it (`keep_freed_memory`) before any system runs: it is
+process-wide, so the baselines get it too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from transformers import AutoTokenizer
 from benchmarks.step_bench import resolve_model
 from compress.load_spec import load_model
 from evals.quality import TaskRequest, run_tasks
+from serve.model.host_memory import keep_freed_memory
 
 
 def _system(name: str, model: Any, tokenizer: Any, model_dir: Any, args: Any) -> Any:
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "--systems: a comma list of hflm (required: the baseline), continuation, engine"
         )
+    keep_freed_memory()  # before any system runs: the baselines get it too
     model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_model(model_dir, dtype=getattr(torch, args.dtype))  # packed variants too
