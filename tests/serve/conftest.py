@@ -100,13 +100,17 @@ def make_cases(
 
 
 def reference_outputs(model_dir: Path, cases: list[Case]) -> list[list[int]]:
-    """`generate`, greedy, one request at a time (no padding), stopping at eos like the engine."""
-    model = load_model(model_dir)
+    return generate_each(load_model(model_dir), cases)
+
+
+def generate_each(model: torch.nn.Module, cases: list[Case]) -> list[list[int]]:
+    """`generate`, greedy, one request at a time (no padding), stopping at eos like the engine,
+    on the model's device."""
     outs = []
     with torch.inference_mode():
         for case in cases:
-            ids = torch.tensor([case.prompt])
-            gen = model.generate(
+            ids = torch.tensor([case.prompt], device=model.device)
+            gen = model.generate(  # type: ignore[operator]
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=case.max_tokens,

@@ -18,10 +18,10 @@ from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, KVCacheDtype, ModelConfig, SchedulerConfig
 from serve.lora.manager import LoraConfig
 from serve.model.kv_cache import Int8KV
-from tests.serve.conftest import Case, make_cases
+from tests.serve.conftest import Case, generate_each, make_cases
 from tests.serve.server_util import start_thread_server
 from tests.serve.test_engine_exact import assert_equal, run
-from tests.serve.test_lora_engine import ADAPTERS, make_adapter, run_all
+from tests.serve.test_lora_engine import ADAPTERS, make_adapter, run_all, with_and_without
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,22 +52,6 @@ def cuda_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.
     return (
         AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **NO_HUB_KERNELS).cuda().eval()
     )
-
-
-def cuda_generate(model: torch.nn.Module, cases: list[Case]) -> list[list[int]]:
-    """Greedy, one request at a time, stopping at eos like the engine."""
-    outs = []
-    with torch.inference_mode():
-        for case in cases:
-            ids = torch.tensor([case.prompt], device="cuda")
-            gen = model.generate(  # type: ignore[operator]
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=case.max_tokens,
-                do_sample=False,
-            )
-            outs.append(gen[0, ids.shape[1] :].tolist())
-    return outs
 
 
 def log_likelihoods(model: torch.nn.Module, sequence: list[int]) -> torch.Tensor:
@@ -132,7 +116,7 @@ def test_float32_engine_equals_generate_on_cuda(
 ) -> None:
     engine = cuda_engine(model_dirs[arch])
     assert engine.runner.device.type == "cuda"
-    expected = cuda_generate(cuda_model(model_dirs[arch]), cases)
+    expected = generate_each(cuda_model(model_dirs[arch]), cases)
     assert_equal(run(engine, cases), expected, list(range(len(cases))))
 
 
@@ -171,7 +155,7 @@ def test_lora_mixed_batch_equals_peft_on_cuda(model_dirs: dict[str, Path], tmp_p
         model = cuda_model(model_dir)
         if name is not None:
             model = PeftModel.from_pretrained(model, adapters[name]).eval()
-        reference = cuda_generate(model, cases)
+        reference = generate_each(model, cases)
         for i, c in enumerate(cases):
             requests.append((f"{name}-{i}", c.prompt, versions[name] if name else None))
             expected[f"{name}-{i}"] = reference[i]
@@ -191,7 +175,7 @@ def test_int8_kv_on_cuda_equals_generate_over_keys_and_values_rounded_as_stored(
     keys = engine.runner.kv_caches[0][0]
     assert isinstance(keys, Int8KV) and keys.data.is_cuda and keys.data.dtype == torch.int8
     model = with_kv_cache_dtype(cuda_model(model_dirs["llama"]), "int8")
-    expected = cuda_generate(model, cases[:12])
+    expected = generate_each(model, cases[:12])
     assert_equal(run(engine, cases[:12]), expected, list(range(12)))
 
 
@@ -313,7 +297,7 @@ def test_bitsandbytes_variant_on_cuda_equals_generate(
     model = AutoModelForCausalLM.from_pretrained(
         bnb_variants[variant], device_map="cuda", **NO_HUB_KERNELS
     ).eval()
-    expected = cuda_generate(model, cases)
+    expected = generate_each(model, cases)
     engine = cuda_engine(bnb_variants[variant], num_blocks=64, budget=64)
     kinds = {type(m).__name__ for m in engine.runner.model.modules()}
     assert kinds & {"Linear8bitLt", "Linear4bit"} and not kinds & {"Int8Linear", "FourBitLinear"}
@@ -332,17 +316,12 @@ def test_lora_adapter_on_cuda_equals_peft_on_the_nf4_base(bnb_variants: dict[str
         base, num_blocks=128, budget=128, lora=LoraConfig(max_loras=2, max_lora_rank=8)
     )
     version = engine.load_lora("shop", str(adapter))
-    requests = [
-        (f"{i}-{a}", c.prompt, version if a == "lora" else None)
-        for i, c in enumerate(cases)
-        for a in ("lora", "base")
-    ]
-    outputs = run_all(engine, requests, 12)
+    outputs = run_all(engine, with_and_without(cases, version), 12)
     plain = AutoModelForCausalLM.from_pretrained(base, device_map="cuda", **NO_HUB_KERNELS).eval()
     with_adapter = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(base, device_map="cuda", **NO_HUB_KERNELS), adapter
     ).eval()
     for name, model in (("lora", with_adapter), ("base", plain)):
-        expected = cuda_generate(model, cases)
+        expected = generate_each(model, cases)
         assert [outputs[f"{i}-{name}"] for i in range(len(cases))] == expected, name
     assert any(outputs[f"{i}-lora"] != outputs[f"{i}-base"] for i in range(len(cases)))

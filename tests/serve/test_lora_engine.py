@@ -13,7 +13,7 @@ from serve import InvalidRequest, LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.lora.adapter import AdapterError
 from serve.lora.manager import LoraConfig
-from tests.serve.conftest import make_cases
+from tests.serve.conftest import Case, make_cases
 
 ADAPTERS = {
     "qv4": {"r": 4, "target_modules": ["q_proj", "v_proj"]},
@@ -119,6 +119,15 @@ def lora_engine(
         SchedulerConfig(max_num_batched_tokens=budget),
         lora=LoraConfig(max_loras=max_loras, max_lora_rank=max_rank, max_cpu_loras=8),
     )
+
+
+def with_and_without(cases: list[Case], version: int) -> list[tuple[str, list[int], int | None]]:
+    """Each case twice, as request `{i}-lora` on the adapter version and `{i}-base` on none."""
+    return [
+        (f"{i}-{a}", c.prompt, version if a == "lora" else None)
+        for i, c in enumerate(cases)
+        for a in ("lora", "base")
+    ]
 
 
 def run_all(

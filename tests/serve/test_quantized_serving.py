@@ -82,7 +82,7 @@ def test_qlora_adapter_on_quantized_base_in_a_mixed_batch(
     from peft import PeftModel
 
     from serve.lora.manager import LoraConfig
-    from tests.serve.test_lora_engine import run_all
+    from tests.serve.test_lora_engine import run_all, with_and_without
 
     adapter = quantized["qlora"]
     base = Path(json.loads((adapter / "workbench.json").read_text())["parent"]["path"])
@@ -96,12 +96,7 @@ def test_qlora_adapter_on_quantized_base_in_a_mixed_batch(
         lora=LoraConfig(max_loras=2, max_lora_rank=8),
     )
     version = engine.load_lora("shop", str(adapter))
-    requests = [
-        (f"{i}-{a}", c.prompt, version if a == "lora" else None)
-        for i, c in enumerate(cases)
-        for a in ("lora", "base")
-    ]
-    outputs = run_all(engine, requests, 12)
+    outputs = run_all(engine, with_and_without(cases, version), 12)
     plain = AutoModelForCausalLM.from_pretrained(base, device_map="cpu").eval()
     with_adapter = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(base, device_map="cpu"), adapter
