@@ -80,6 +80,7 @@ def _checked(spec: LoadSpec, sidecar: Path) -> LoadSpec:
 
 
 BITSANDBYTES_MATMUL_LOGGER = "bitsandbytes.autograd._functions"
+"""Logs its dtype cast on every int8 product: 145,000 lines (21 MB) in one demo server's log."""
 NO_HUB_KERNELS: dict[str, Any] = {"use_kernels": False}
 """`from_pretrained` keywords for every load here. With the `kernels` package installed (a
 dependency of transformers 5.25) transformers swaps kernels from the Hugging Face Hub into a model
@@ -87,7 +88,6 @@ loaded with a device map, fetched at load time: offline (HF_HUB_OFFLINE, no netw
 fails ("Version 2 of 'kernels-community/rotary' is not available in the local cache", seen on a
 CUDA machine), and online it would run code downloaded at run time, with other numerics than the
 model's own. A variant must load the same way everywhere, so no load here takes them."""
-"""Logs its dtype cast on every int8 product: 145,000 lines (21 MB) in one demo server's log."""
 
 
 class _Once(logging.Filter):
