@@ -7,7 +7,9 @@ a decode step at 1, 16 and 64 running sequences, and the prefill of 1,024 prompt
 Engine systems: engine (defaults), engine-bf16, engine-compile, engine-bf16-compile, engine-unmerged
 and engine-compile-unmerged (q/k/v and gate/up as separate products), engine-unfused
 (transformers' decoder layers, not `serve/model/fused_layers.py`'s), engine-block8 and
-engine-block32 (KV blocks of 8 / 32 tokens instead of the default 16; every system's cache holds 65,536 tokens)
+engine-block32 (KV blocks of 8 / 32 tokens instead of the default 16; every system's cache holds 65,536 tokens),
+engine-sdpa-prefill and engine-bf16-sdpa-prefill (prefill chunks through SDPA, not the paged
+prefill kernel)
 (`--compile`: graphs built when the system is set up, not timed), sdpa (the gather backend),
 sdpa-flinear (also without prepacked linears). Baselines: generate, generate-bf16, and vllm
 (`--vllm-venv`: vLLM's offline engine in its own venv, default flags, prefix caching off).
@@ -45,6 +47,7 @@ from benchmarks.vllm_system import VllmWorker
 from serve.core.config import AttentionBackend, CacheConfig, Dtype, ModelConfig, SchedulerConfig
 from serve.core.sampling_params import SamplingParams
 from serve.engine.llm_engine import LLMEngine
+from serve.model.cpu_attention import PagedCPUBackend
 from serve.model.host_memory import keep_freed_memory
 
 DECODE_STEPS = 32
@@ -62,6 +65,8 @@ class EngineSystem:
     merge: bool = True
     fuse: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
+    prefill_kernel: bool = True
+    """False: the paged-cpu backend's prefill chunks go to SDPA (its decode kernel stays)."""
 
 
 ENGINE_SYSTEMS = {
@@ -74,6 +79,8 @@ ENGINE_SYSTEMS = {
     "engine-block32": EngineSystem(block_size=32),
     "engine-compile-unmerged": EngineSystem(compile=True, merge=False),
     "engine-bf16-compile": EngineSystem(dtype="bfloat16", compile=True),
+    "engine-sdpa-prefill": EngineSystem(prefill_kernel=False),
+    "engine-bf16-sdpa-prefill": EngineSystem(dtype="bfloat16", prefill_kernel=False),
     "sdpa": EngineSystem(backend="sdpa"),
     "sdpa-flinear": EngineSystem(backend="sdpa", prepack=False),
 }
@@ -282,6 +289,9 @@ def system_runs(
 ) -> Runs:
     if name in ENGINE_SYSTEMS:
         engine = make_engine(model, ENGINE_SYSTEMS[name], prefill, context, device)
+        if not ENGINE_SYSTEMS[name].prefill_kernel:
+            assert isinstance(engine.runner.backend, PagedCPUBackend), f"{name}: no paged-cpu"
+            engine.runner.backend.prefill_lib = None
         if engine.runner.compile_report:
             log(f"{name}: {engine.runner.compile_report.line()}")
         return engine_runs(engine, context, prefill, phases)

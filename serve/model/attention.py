@@ -14,8 +14,8 @@ op `workbench::paged_attention`.
 
 Backends implement `attend`: `SDPABackend` gathers each sequence's blocks and runs
 `scaled_dot_product_attention` (decoding sequences in batched calls of similar lengths), on any
-device; `PagedCPUBackend` (`serve/model/cpu_attention.py`) reads decode K/V from their blocks in place
-with a C kernel; `ReferenceBackend` is a plain per-sequence loop, kept as the readable definition
+device; `PagedCPUBackend` (`serve/model/cpu_attention.py`) reads K/V from their blocks in place
+with C kernels (decodes; every prefill chunk of the step in one call); `ReferenceBackend` is a plain per-sequence loop, kept as the readable definition
 to test against.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
@@ -46,6 +47,34 @@ class SequenceSlice:
     seq_len: int
     """Tokens in context once this step's are written (positions 0 .. seq_len - 1)."""
     block_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PrefillTable:
+    """A step's prefill chunks as one table (int64, contiguous): what a kernel attending every
+    chunk in one call reads."""
+
+    starts: torch.Tensor
+    """[P]: first flat row of each chunk's queries."""
+    query_lens: torch.Tensor
+    """[P]: its queries, the last `query_lens` positions of its context."""
+    seq_lens: torch.Tensor
+    """[P]: tokens in context once this step's are written."""
+    block_tables: torch.Tensor
+    """[P, max_blocks]: its blocks, padded with block 0."""
+
+    @staticmethod
+    def of(prefills: list[SequenceSlice]) -> PrefillTable:
+        def as_long(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long)
+
+        tables = [s.block_ids.to("cpu", torch.long) for s in prefills]
+        return PrefillTable(
+            as_long([s.start for s in prefills]),
+            as_long([s.end - s.start for s in prefills]),
+            as_long([s.seq_len for s in prefills]),
+            torch.nn.utils.rnn.pad_sequence(tables, batch_first=True).contiguous(),
+        )
 
 
 @dataclass(frozen=True)
@@ -90,6 +119,11 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     """Sequences computing one token, grouped by length (`decode_group_size` per group)."""
     backend: AttentionBackend
+
+    @cached_property
+    def prefill_table(self) -> PrefillTable:
+        """`prefills` as one table, built by the first layer that asks and kept for the step."""
+        return PrefillTable.of(self.prefills)
 
 
 class AttentionBackend(Protocol):

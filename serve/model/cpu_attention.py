@@ -1,13 +1,20 @@
-"""Paged decode attention on the CPU through a small C kernel (`kernels/paged_decode.c`).
+"""Paged attention on the CPU through two small C kernels (`kernels/paged_decode.c`,
+`kernels/paged_prefill.c`).
 
 Model: decoding sequences read their keys and values from the KV blocks where they sit, every
 cached byte once per layer: one sequence per work item when there are at least four a thread
 (each cached token's K (then V) row of every KV head read front to back: 1.28x the pair items'
 bandwidth at 64 sequences), else one (sequence, KV head) pair; no per-layer gather of each
 sequence's blocks and no padding to the longest sequence (the SDPA backend does both).
-Prefill chunks still go to SDPA's fused kernel. Float32 and bfloat16 models, their caches in the
-model's dtype or in int8 with a scale per (token, KV head) (`serve/model/kv_cache.py`, read in
-place: codes and scales); scores, softmax and sums in float32.
+Float32 and bfloat16 models, their caches in the model's dtype or in int8 with a scale per
+(token, KV head) (`serve/model/kv_cache.py`, read in place: codes and scales); scores, softmax and
+sums in float32.
+Prefill chunks: every chunk of the step in one call, flash-attention style over each chunk's
+blocks in place, key blocks past a query tile's last position never read (SDPA's CPU kernel
+computes about three quarters of the full square at 1,024 tokens and gathers each sequence's
+blocks first); a tile's (position, query head) rows sit across SIMD lanes, so both products
+broadcast a key's (value's) scalar against row vectors. Caches in the model's dtype; an int8
+cache's prefill chunks go to SDPA (`SDPABackend.attend_prefills`).
 
 The library is built by `serve/model/native.py` with `-O3 -ffast-math`; where no compiler
 works, `load_kernel` returns None and the engine keeps SDPA.
@@ -22,7 +29,7 @@ from functools import cache
 
 import torch
 
-from serve.model.attention import DecodeGroup, SDPABackend
+from serve.model.attention import AttentionMetadata, DecodeGroup, SDPABackend
 from serve.model.kv_cache import Int8KV, KVTensor
 from serve.model.native import KERNELS, NEEDS_COMPILER, load_library
 
@@ -36,6 +43,21 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int]
 _INT8_ARGTYPES = [*_ARGTYPES[:3], _P, _P, *_ARGTYPES[3:]]
 """The int8 functions take the K and V scales after the caches."""
+
+
+PREFILL_SOURCE = KERNELS / "paged_prefill.c"
+_PREFILL_FUNCTIONS = {torch.float32: "paged_prefill_f32", torch.bfloat16: "paged_prefill_bf16"}
+_PREFILL_ARGTYPES = [_P, _P, _P, _P, _P, _P, _P, _I, _P, *_ARGTYPES[7:]]
+"""q, k, v, starts, query_lens, seq_lens, block_tables, table_width, out, then as the decode
+kernel's: count, heads, KV heads, head dim, block size, scale, window, threads."""
+
+
+@cache
+def load_prefill_kernel() -> ctypes.CDLL | None:
+    """The prefill kernel's library, built on first use; None (logged once) where it cannot be:
+    prefill chunks then stay on SDPA."""
+    signatures = {name: _PREFILL_ARGTYPES for name in _PREFILL_FUNCTIONS.values()}
+    return load_library(PREFILL_SOURCE, COMPILE, signatures, "paged CPU prefill unavailable")
 
 
 @cache
@@ -79,6 +101,76 @@ class PagedCPUBackend(SDPABackend):
                 "one, or use --attention-backend sdpa"
             )
         self.lib = lib
+        self.prefill_lib = load_prefill_kernel()
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: KVTensor,
+        v_cache: KVTensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """As `SDPABackend.attend`, over contiguous [T, H, D] rows (what both kernels read; the
+        output is then contiguous too)."""
+        return super().attend(q.contiguous(), k_cache, v_cache, meta, scale, window)
+
+    def attend_prefills(  # type: ignore[override]  # SDPABackend's is a staticmethod
+        self,
+        q: torch.Tensor,
+        k_cache: KVTensor,
+        v_cache: KVTensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+        window: int | None = None,
+    ) -> None:
+        """Every prefill chunk of the step in one kernel call, writing their rows of `out`;
+        through SDPA where the kernel cannot take them (an int8 cache, a head dim not a multiple
+        of 4, no kernel)."""
+        plain = isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+        head_dim = q.shape[-1]
+        if (
+            not meta.prefills
+            or self.prefill_lib is None
+            or not plain
+            or k_cache.dtype != q.dtype
+            or q.dtype not in _PREFILL_FUNCTIONS
+            or head_dim % 4
+            or not (q.is_contiguous() and out.is_contiguous())
+        ):
+            SDPABackend.attend_prefills(q, k_cache, v_cache, meta, scale, out, window)
+            return
+        assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+        table = meta.prefill_table
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        _, block_size, kv_heads, _ = k_cache.shape
+        rc = getattr(self.prefill_lib, _PREFILL_FUNCTIONS[q.dtype])(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            table.starts.data_ptr(),
+            table.query_lens.data_ptr(),
+            table.seq_lens.data_ptr(),
+            table.block_tables.data_ptr(),
+            table.block_tables.shape[1],
+            out.data_ptr(),
+            len(meta.prefills),
+            q.shape[1],
+            kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            window or 0,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(
+                f"paged prefill kernel failed (code {rc}): heads {q.shape[1]}, kv heads "
+                f"{kv_heads}, head dim {head_dim} (at most {MAX_GROUP} query heads per KV head, "
+                f"head dim <= {MAX_HEAD_DIM} and a multiple of 4)"
+            )
 
     def attend_decodes(
         self,

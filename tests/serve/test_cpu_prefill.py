@@ -1,0 +1,155 @@
+"""The paged-cpu prefill kernel (`serve/model/kernels/paged_prefill.c`) against the reference
+backend: whole prompts and chunks of longer contexts, on scattered blocks, with and without a
+sliding window, in float32 and bfloat16, at both SIMD widths it compiles to; and where it hands
+chunks to SDPA instead."""
+
+from __future__ import annotations
+
+import platform
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve.model import cpu_attention
+from serve.model.attention import AttentionMetadata, ReferenceBackend, SequenceSlice
+from serve.model.native import build_library
+from serve.model.step_inputs import decode_groups
+from tests.serve.conftest import needs_c_compiler
+
+pytestmark = needs_c_compiler
+
+Chunk = tuple[int, int]
+"""(tokens computed before this step, tokens computed in it)."""
+
+
+def scattered_step(
+    chunks: list[Chunk],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    decode_lens: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random queries and caches; each sequence's blocks drawn from a shuffled pool; prefill
+    chunks first in the flat batch (one spare row before them), decodes after."""
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    lens = [done + n for done, n in chunks] + list(decode_lens)
+    counts = [-(-n // block_size) for n in lens]
+    free = list(range(sum(counts) + 5))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(c)] for c in counts]
+    shape = (sum(counts) + 5, block_size, kv_heads, head_dim)
+    k, v = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    prefills, row = [], 1
+    for (done, n), table in zip(chunks, tables):
+        prefills.append(SequenceSlice(row, row + n, done + n, torch.tensor(table)))
+        row += n
+    rows = list(range(row, row + len(decode_lens)))
+    groups = decode_groups(
+        rows, tables[len(chunks) :], list(decode_lens), block_size, None, torch.device("cpu")
+    )
+    q = torch.randn(row + len(decode_lens), heads, head_dim).to(dtype)
+    meta = AttentionMetadata([(k, v)], torch.empty(0), prefills, groups, ReferenceBackend())
+    return q, k, v, meta
+
+
+def computed_rows(meta: AttentionMetadata) -> torch.Tensor:
+    rows = [torch.arange(s.start, s.end) for s in meta.prefills]
+    rows += [g.rows for g in meta.decodes]
+    return torch.cat(rows)
+
+
+def assert_equals_reference(
+    backend: cpu_attention.PagedCPUBackend,
+    step: tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata],
+    scale: float,
+    window: int | None = None,
+    tolerance: float = 1e-5,
+) -> None:
+    q, k, v, meta = step
+    rows = computed_rows(meta)
+    expected = ReferenceBackend().attend(q, k, v, meta, scale, window)[rows]
+    got = backend.attend(q, k, v, meta, scale, window)[rows]
+    assert got.dtype == q.dtype
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+WHOLE_PROMPTS = [(0, 2), (0, 5), (0, 64), (0, 65), (0, 100), (0, 263)]
+CHUNKS = [(16, 48), (7, 2), (100, 163), (64, 1), (250, 300)]
+"""Chunks of longer contexts: their queries are the last positions, every earlier key visible."""
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(8, 4, 64, 16), (4, 4, 32, 16), (9, 3, 80, 8), (16, 1, 128, 5), (4, 1, 256, 16)],
+)
+@pytest.mark.parametrize("chunks", [WHOLE_PROMPTS, CHUNKS], ids=["whole", "chunked"])
+def test_prefill_kernel_equals_the_reference(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, chunks: list[Chunk]
+) -> None:
+    step = scattered_step(chunks, heads, kv_heads, head_dim, block_size, decode_lens=(9, 40))
+    assert_equals_reference(cpu_attention.PagedCPUBackend(), step, head_dim**-0.5)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 64, 1000])
+def test_sliding_window_prefill_kernel_equals_the_reference(window: int) -> None:
+    step = scattered_step(WHOLE_PROMPTS + CHUNKS, 4, 2, 64, 16)
+    assert_equals_reference(cpu_attention.PagedCPUBackend(), step, 0.125, window)
+    q, k, v, meta = step
+    if window < 263:  # the window changes the answer of the long sequences
+        full = ReferenceBackend().attend(q, k, v, meta, 0.125)
+        windowed = cpu_attention.PagedCPUBackend().attend(q, k, v, meta, 0.125, window)
+        assert not torch.allclose(
+            full[meta.prefills[5].end - 1], windowed[meta.prefills[5].end - 1]
+        )
+
+
+def test_bfloat16_prefill_kernel_is_float32_math_rounded_once() -> None:
+    step = scattered_step(WHOLE_PROMPTS + CHUNKS, 8, 4, 64, 16, torch.bfloat16)
+    assert_equals_reference(cpu_attention.PagedCPUBackend(), step, 0.125, tolerance=1e-2)
+
+
+def test_prefill_kernel_leaves_other_rows_alone() -> None:
+    """Only each chunk's own rows of the output are written (decode rows by the decode kernel,
+    the spare row by no one)."""
+    q, k, v, meta = scattered_step([(0, 30), (5, 20)], 4, 2, 32, 16)
+    out = torch.full_like(q, 7.0)
+    cpu_attention.PagedCPUBackend().attend_prefills(q, k, v, meta, 0.2, out)
+    rows = computed_rows(meta)
+    others = torch.ones(len(q), dtype=torch.bool)
+    others[rows] = False
+    assert bool((out[others] == 7.0).all()) and not bool((out[rows] == 7.0).any())
+
+
+def _has_avx2() -> bool:
+    try:
+        return platform.machine() == "x86_64" and " avx2" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="needs an x86 CPU with AVX2")
+def test_prefill_kernel_at_avx2_width_equals_the_reference() -> None:
+    """The kernel compiled for AVX2 (8 lanes: tiles of 32 rows) as a CPU without AVX-512 runs it,
+    whatever this CPU has."""
+    flags = [f for f in cpu_attention.COMPILE if not f.startswith("-march")] + ["-march=haswell"]
+    lib, why_not = build_library(cpu_attention.PREFILL_SOURCE, flags)
+    if lib is None:
+        pytest.skip(f"cannot build for AVX2 here: {why_not}")
+    for name in ("paged_prefill_f32", "paged_prefill_bf16"):
+        getattr(lib, name).argtypes = cpu_attention._PREFILL_ARGTYPES
+    backend = cpu_attention.PagedCPUBackend()
+    backend.prefill_lib = lib
+    step = scattered_step(WHOLE_PROMPTS + CHUNKS, 8, 2, 64, 16)
+    assert_equals_reference(backend, step, 0.125)
+    assert_equals_reference(backend, step, 0.125, window=50)
+
+
+def test_head_dims_the_kernel_does_not_take_go_to_sdpa() -> None:
+    """A head dim that is not a multiple of 4: SDPA attends the chunks, with the same answer."""
+    step = scattered_step(CHUNKS, 4, 2, 18, 8)
+    assert_equals_reference(cpu_attention.PagedCPUBackend(), step, 0.25)
