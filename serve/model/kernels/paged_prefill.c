@@ -115,17 +115,15 @@ static inline void values4(float *ot, const float *pt, const float *const *vrows
     }
 }
 
-/* Masked scores of chunk keys c0 .. c0 + kc - 1 become NEG: row r is at position
- * p0 + r / G and sees keys lo .. its position (lo: 0, or its window's first). */
-static void mask_chunk(float *st, int64_t c0, int64_t kc, int64_t p0, int64_t p1, int64_t G,
-                       int64_t rows, int64_t window) {
+/* Masked scores of chunk keys c0 .. c0 + kc - 1 become NEG: row r is at position pos[r]
+ * (p0 .. p1) and sees keys 0 (or its window's first) .. pos[r]. */
+static void mask_chunk(float *st, int64_t c0, int64_t kc, const int64_t *pos, int64_t p0,
+                       int64_t p1, int64_t window) {
     for (int64_t j = 0; j < kc; j++) {
         const int64_t t = c0 + j;
         if (t <= p0 && (window <= 0 || t > p1 - window)) continue; /* every row sees it */
-        for (int64_t r = 0; r < RV; r++) {
-            const int64_t pos = r < rows ? p0 + r / G : p1;
-            if (t > pos || (window > 0 && t <= pos - window)) st[j * RV + r] = NEG;
-        }
+        for (int64_t r = 0; r < RV; r++)
+            if (t > pos[r] || (window > 0 && t <= pos[r] - window)) st[j * RV + r] = NEG;
     }
 }
 
@@ -192,16 +190,19 @@ static int item(const Prefill *pf, int64_t g, int64_t i0, int64_t i1) {
     float *ot = qt + D * RV, *st = ot + D * RV, *m = st + KC * RV, *l = m + RV;
     float *kw = l + RV, *vw = kw + KC * D, alpha[RV];
     const float *krows[KC], *vrows[KC];
-    for (int64_t r = 0; r < RV; r++) {
+    int64_t pos[RV]; /* each row's position; padding rows: the tile's last */
+    for (int64_t r = 0; r < RV; r++) pos[r] = r < rows ? p0 + r / G : p1;
+    memset(qt, 0, sizeof(float) * (size_t)(2 * D * RV)); /* qt's padding rows, and ot */
+    for (int64_t r = 0; r < rows; r++) {
         const int64_t at = ((pf->start + i0 + r / G) * H + g * G + r % G) * D;
-        for (int64_t d = 0; d < D; d++) {
-            float x = 0.0f;
-            if (r < rows)
-                x = pf->bf16 ? bf16_to_f32(((const uint16_t *)pf->q)[at + d])
-                             : ((const float *)pf->q)[at + d];
-            qt[d * RV + r] = x * pf->scale;
-            ot[d * RV + r] = 0.0f;
-        }
+        if (pf->bf16)
+            for (int64_t d = 0; d < D; d++)
+                qt[d * RV + r] = bf16_to_f32(((const uint16_t *)pf->q)[at + d]) * pf->scale;
+        else
+            for (int64_t d = 0; d < D; d++)
+                qt[d * RV + r] = ((const float *)pf->q)[at + d] * pf->scale;
+    }
+    for (int64_t r = 0; r < RV; r++) {
         m[r] = NEG;
         l[r] = 0.0f;
     }
@@ -213,23 +214,28 @@ static int item(const Prefill *pf, int64_t g, int64_t i0, int64_t i1) {
         int64_t j = 0;
         for (; j + 4 <= kc; j += 4) scores4(qt, krows + j, D, st + j * RV);
         for (; j < kc; j++) scores1(qt, krows[j], D, st + j * RV);
-        mask_chunk(st, c0, kc, p0, p1, G, rows, pf->window);
+        mask_chunk(st, c0, kc, pos, p0, p1, pf->window);
         softmax_chunk(st, kc, m, l, alpha);
         for (int64_t d = 0; d < D; d++)
             for (int64_t r = 0; r < RV; r++) ot[d * RV + r] *= alpha[r];
         for (int64_t d0 = 0; d0 < D; d0 += 4) values4(ot, st, vrows, kc, d0);
     }
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t at = ((pf->start + i0 + r / G) * H + g * G + r % G) * D;
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int64_t d = 0; d < D; d++) {
-            const float x = ot[d * RV + r] * inv;
-            if (pf->bf16)
-                ((uint16_t *)pf->out)[at + d] = f32_to_bf16(x);
-            else
-                ((float *)pf->out)[at + d] = x;
-        }
-    }
+    float inv[RV];
+    for (int64_t r = 0; r < RV; r++) inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t r = 0; r < RV; r++) ot[d * RV + r] *= inv[r];
+    /* back to rows, a block of 16 x 16 at a time (each side's lines touched once a block) */
+    for (int64_t r0 = 0; r0 < rows; r0 += 16)
+        for (int64_t d0 = 0; d0 < D; d0 += 16)
+            for (int64_t r = r0; r < r0 + 16 && r < rows; r++) {
+                const int64_t at = ((pf->start + i0 + r / G) * H + g * G + r % G) * D;
+                for (int64_t d = d0; d < d0 + 16 && d < D; d++) {
+                    if (pf->bf16)
+                        ((uint16_t *)pf->out)[at + d] = f32_to_bf16(ot[d * RV + r]);
+                    else
+                        ((float *)pf->out)[at + d] = ot[d * RV + r];
+                }
+            }
     free(qt);
     return 0;
 }
