@@ -13,8 +13,8 @@ kernels then appear as operators named after what they fuse.)
 
 Both systems run once unprofiled first (vLLM compiles, caches warm). Traces are Chrome JSON;
 self time = an event's duration less its children's on the same thread. The engine's decode
-attention kernel (a ctypes call, not a torch operator) is timed through a `record_function`
-around it, so it counts as attention, not as time outside operators. vLLM's trace covers its
+and prefill attention kernels (ctypes calls, not torch operators) are timed through a
+`record_function` around each, so they count as attention, not as time outside operators. vLLM's trace covers its
 worker process (where the model runs); its frontend's time is in its wall time only. Under each
 family the output lists its largest operators per system (`TOP`; also in the JSON), so a family's
 gap can be traced to the operators behind it. Linears, most of a step on the CPU, are also split
@@ -93,7 +93,7 @@ def self_times(events: Iterable[dict[str, Any]]) -> dict[str, float]:
             continue
         # user annotations: only ours around the kernel (vLLM's wrap whole steps)
         if e.get("cat") == "cpu_op" or (
-            e.get("cat") == "user_annotation" and e.get("name") == KERNEL_EVENT
+            e.get("cat") == "user_annotation" and e.get("name") in KERNEL_EVENTS.values()
         ):
             by_thread[(e.get("pid"), e.get("tid"))].append(e)
     totals: dict[str, float] = defaultdict(float)
@@ -196,20 +196,28 @@ def workload(kind: str, vocab: int) -> Workload:
     return make_workload(kind, 64, vocab)
 
 
-KERNEL_EVENT = "workbench::paged_decode_attention"
-"""The engine's CPU decode-attention kernel is a ctypes call, invisible to the profiler; the
-profiled engine's backend runs it inside a `record_function` of this name."""
+KERNEL_EVENTS = {
+    "attend_decodes": "workbench::paged_decode_attention",
+    "attend_prefills": "workbench::paged_prefill_attention",
+}
+"""The engine's CPU attention kernels are ctypes calls, invisible to the profiler; the profiled
+engine's backend runs each method inside a `record_function` of its name here."""
 
 
-def traced_decode_attention(engine: LLMEngine) -> None:
-    backend: Any = engine.runner.backend  # the protocol names `attend`; backends have both
-    attend: Callable[..., torch.Tensor] = backend.attend_decodes
+def traced_attention_kernels(engine: LLMEngine) -> None:
+    backend: Any = engine.runner.backend  # the protocol names `attend`; backends have these
 
-    def traced(*args: Any, **kwargs: Any) -> torch.Tensor:
-        with torch.profiler.record_function(KERNEL_EVENT):
-            return attend(*args, **kwargs)
+    def traced(method: str) -> Callable[..., Any]:
+        attend: Callable[..., Any] = getattr(backend, method)
 
-    backend.attend_decodes = traced  # on this one instance
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with torch.profiler.record_function(KERNEL_EVENTS[method]):
+                return attend(*args, **kwargs)
+
+        return call
+
+    for method in KERNEL_EVENTS:
+        setattr(backend, method, traced(method))  # on this one instance
 
 
 def profile_engine(model: Path, w: Workload, compile_model: bool = False) -> Profile:
@@ -218,7 +226,7 @@ def profile_engine(model: Path, w: Workload, compile_model: bool = False) -> Pro
 
         inductor_config.cpp.enable_kernel_profile = True
     engine = engine_for(model, 1 << 30, compile_model=compile_model)
-    traced_decode_attention(engine)
+    traced_attention_kernels(engine)
     run_engine(engine, w)  # warm
     trace = Path(tempfile.mkdtemp()) / "engine.json"
     activities = [torch.profiler.ProfilerActivity.CPU]
