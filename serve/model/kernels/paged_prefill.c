@@ -127,6 +127,28 @@ static void mask_chunk(float *st, int64_t c0, int64_t kc, const int64_t *pos, in
     }
 }
 
+/* e^x for x <= 0 (a score less its row's maximum), within 2 ulp of expf: x = n ln 2 + f with
+ * |f| <= ln 2 / 2 (ln 2 in two parts, Cody-Waite), e^f by Cephes' degree-6 polynomial, 2^n
+ * added to the exponent bits; below -87, e^-87 (1.6e-38: no term of a softmax's sum). Written
+ * scalar so that loops over rows vectorise it inline (libmvec's expf is a call per vector and
+ * took a sixth of the kernel). */
+static inline float exp_nonpositive(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    const float n = rintf(x * 1.44269504088896341f);
+    const float f = __builtin_fmaf(n, 2.12194440e-4f, __builtin_fmaf(n, -0.693359375f, x));
+    float p = 1.9875691500e-4f;
+    p = __builtin_fmaf(p, f, 1.3981999507e-3f);
+    p = __builtin_fmaf(p, f, 8.3334519073e-3f);
+    p = __builtin_fmaf(p, f, 4.1665795894e-2f);
+    p = __builtin_fmaf(p, f, 1.6666665459e-1f);
+    p = __builtin_fmaf(p, f, 5.0000001201e-1f);
+    const float y = __builtin_fmaf(p * f, f, f + 1.0f);
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
 /* The online softmax over one chunk: maxima, rescale factors, probabilities (in place of the
  * scores) and the rows' running sums. Loops over rows, so they vectorise. */
 static void softmax_chunk(float *st, int64_t kc, float *m, float *l, float *alpha) {
@@ -137,12 +159,12 @@ static void softmax_chunk(float *st, int64_t kc, float *m, float *l, float *alph
             const float s = st[j * RV + r];
             mnew[r] = s > mnew[r] ? s : mnew[r];
         }
-    for (int64_t r = 0; r < RV; r++) alpha[r] = expf(m[r] - mnew[r]);
+    for (int64_t r = 0; r < RV; r++) alpha[r] = exp_nonpositive(m[r] - mnew[r]);
     float sums[RV] = {0};
     for (int64_t j = 0; j < kc; j++)
         for (int64_t r = 0; r < RV; r++) {
             const float s = st[j * RV + r], seen = s > 0.5f * NEG; /* no branch: vectorises */
-            const float p = expf(s - mnew[r]) * seen;
+            const float p = exp_nonpositive(s - mnew[r]) * seen;
             st[j * RV + r] = p;
             sums[r] += p;
         }
