@@ -13,8 +13,8 @@ Prefill chunks: every chunk of the step in one call, flash-attention style over 
 blocks in place, key blocks past a query tile's last position never read (SDPA's CPU kernel
 computes about three quarters of the full square at 1,024 tokens and gathers each sequence's
 blocks first); a tile's (position, query head) rows sit across SIMD lanes, so both products
-broadcast a key's (value's) scalar against row vectors. Caches in the model's dtype; an int8
-cache's prefill chunks go to SDPA (`SDPABackend.attend_prefills`).
+broadcast a key's (value's) scalar against row vectors. Caches as the decode kernel's (an int8
+chunk's keys and values decoded into float rows first).
 
 The library is built by `serve/model/native.py` with `-O3 -ffast-math`; where no compiler
 works, `load_kernel` returns None and the engine keeps SDPA.
@@ -47,9 +47,14 @@ _INT8_ARGTYPES = [*_ARGTYPES[:3], _P, _P, *_ARGTYPES[3:]]
 
 PREFILL_SOURCE = KERNELS / "paged_prefill.c"
 _PREFILL_FUNCTIONS = {torch.float32: "paged_prefill_f32", torch.bfloat16: "paged_prefill_bf16"}
+_PREFILL_INT8_FUNCTIONS = {
+    torch.float32: "paged_prefill_i8_f32",
+    torch.bfloat16: "paged_prefill_i8_bf16",
+}
 _PREFILL_ARGTYPES = [_P, _P, _P, _P, _P, _P, _P, _I, _P, *_ARGTYPES[7:]]
 """q, k, v, starts, query_lens, seq_lens, block_tables, table_width, out, then as the decode
 kernel's: count, heads, KV heads, head dim, block size, scale, window, threads."""
+_PREFILL_INT8_ARGTYPES = [*_PREFILL_ARGTYPES[:3], _P, _P, *_PREFILL_ARGTYPES[3:]]
 
 
 @cache
@@ -57,6 +62,7 @@ def load_prefill_kernel() -> ctypes.CDLL | None:
     """The prefill kernel's library, built on first use; None (logged once) where it cannot be:
     prefill chunks then stay on SDPA."""
     signatures = {name: _PREFILL_ARGTYPES for name in _PREFILL_FUNCTIONS.values()}
+    signatures |= {name: _PREFILL_INT8_ARGTYPES for name in _PREFILL_INT8_FUNCTIONS.values()}
     return load_library(PREFILL_SOURCE, COMPILE, signatures, "paged CPU prefill unavailable")
 
 
@@ -67,6 +73,31 @@ def load_kernel() -> ctypes.CDLL | None:
     signatures = {name: _ARGTYPES for name in _FUNCTIONS.values()}
     signatures |= {name: _INT8_ARGTYPES for name in _INT8_FUNCTIONS.values()}
     return load_library(SOURCE, COMPILE, signatures, "paged CPU attention unavailable")
+
+
+def _kernel_operands(
+    q: torch.Tensor,
+    k_cache: KVTensor,
+    v_cache: KVTensor,
+    functions: dict[torch.dtype, str],
+    int8_functions: dict[torch.dtype, str],
+) -> tuple[torch.Tensor, str | None, list[torch.Tensor]]:
+    """The queries a kernel reads (multiplied by an int8 key cache's smoothing: its keys are
+    stored divided by it, so q . k is unchanged), the kernel function for this cache, and the
+    cache tensors it takes after them (K and V; int8: codes, then scales). No function: a cache
+    the kernels do not read (another dtype than the queries', or K and V of different kinds)."""
+    if isinstance(k_cache, Int8KV) and isinstance(v_cache, Int8KV):
+        if k_cache.smoothing is not None:
+            q = q * k_cache.smoothing.to(q.dtype)
+        caches = [k_cache.data, v_cache.data, k_cache.scales, v_cache.scales]
+        return q, int8_functions.get(q.dtype), caches
+    if (
+        isinstance(k_cache, torch.Tensor)
+        and isinstance(v_cache, torch.Tensor)
+        and k_cache.dtype == v_cache.dtype == q.dtype
+    ):
+        return q, functions.get(q.dtype), [k_cache, v_cache]
+    return q, None, []
 
 
 MAX_GROUP, MAX_HEAD_DIM = 16, 512
@@ -127,29 +158,27 @@ class PagedCPUBackend(SDPABackend):
         window: int | None = None,
     ) -> None:
         """Every prefill chunk of the step in one kernel call, writing their rows of `out`;
-        through SDPA where the kernel cannot take them (an int8 cache, a head dim not a multiple
-        of 4, no kernel)."""
-        plain = isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+        through SDPA where the kernel cannot take them (a head dim not a multiple of 4, no
+        kernel)."""
+        kernel_q, function, caches = _kernel_operands(
+            q, k_cache, v_cache, _PREFILL_FUNCTIONS, _PREFILL_INT8_FUNCTIONS
+        )
         head_dim = q.shape[-1]
         if (
             not meta.prefills
             or self.prefill_lib is None
-            or not plain
-            or k_cache.dtype != q.dtype
-            or q.dtype not in _PREFILL_FUNCTIONS
+            or function is None
             or head_dim % 4
-            or not (q.is_contiguous() and out.is_contiguous())
+            or not (kernel_q.is_contiguous() and out.is_contiguous())
         ):
             SDPABackend.attend_prefills(q, k_cache, v_cache, meta, scale, out, window)
             return
-        assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
         table = meta.prefill_table
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert all(c.is_contiguous() for c in caches)
         _, block_size, kv_heads, _ = k_cache.shape
-        rc = getattr(self.prefill_lib, _PREFILL_FUNCTIONS[q.dtype])(
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
+        rc = getattr(self.prefill_lib, function)(
+            kernel_q.data_ptr(),
+            *[c.data_ptr() for c in caches],
             table.starts.data_ptr(),
             table.query_lens.data_ptr(),
             table.seq_lens.data_ptr(),
@@ -181,17 +210,10 @@ class PagedCPUBackend(SDPABackend):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        """One decode group through the kernel (prefills stay on SDPA, as in `SDPABackend`):
-        q [S_g, heads, head_dim] (a token per sequence) -> the same shape."""
-        functions, caches = _FUNCTIONS, list[torch.Tensor]()  # a mixed cache: refused below
-        if isinstance(k_cache, Int8KV) and isinstance(v_cache, Int8KV):
-            functions = _INT8_FUNCTIONS
-            caches = [k_cache.data, v_cache.data, k_cache.scales, v_cache.scales]
-            if k_cache.smoothing is not None:  # keys stored divided by it: q . k unchanged
-                q = q * k_cache.smoothing.to(q.dtype)
-        elif isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
-            caches = [k_cache, v_cache] if k_cache.dtype == q.dtype else []
-        if q.device.type != "cpu" or q.dtype not in functions or not caches:
+        """One decode group through the kernel: q [S_g, heads, head_dim] (a token per
+        sequence) -> the same shape."""
+        q, function, caches = _kernel_operands(q, k_cache, v_cache, _FUNCTIONS, _INT8_FUNCTIONS)
+        if q.device.type != "cpu" or function is None:
             raise ValueError(
                 "paged-cpu attention takes CPU float32/bfloat16 queries over a cache of their "
                 f"dtype or int8, got {q.dtype} queries"
@@ -204,7 +226,7 @@ class PagedCPUBackend(SDPABackend):
         lens = group.seq_lens.contiguous()
         assert tables.dtype == lens.dtype == torch.int64
         assert all(c.is_contiguous() for c in caches)
-        function = getattr(self.lib, functions[q.dtype])
+        function = getattr(self.lib, function)
         rc = function(
             q.data_ptr(),
             *[c.data_ptr() for c in caches],

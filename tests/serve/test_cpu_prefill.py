@@ -5,20 +5,45 @@ chunks to SDPA instead."""
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import random
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from serve.model import cpu_attention
-from serve.model.attention import AttentionMetadata, ReferenceBackend, SequenceSlice
+from serve.model.attention import (
+    AttentionMetadata,
+    ReferenceBackend,
+    SDPABackend,
+    SequenceSlice,
+)
 from serve.model.native import build_library
 from serve.model.step_inputs import decode_groups
 from tests.serve.conftest import needs_c_compiler
+from tests.serve.test_kv_cache_int8 import as_int8
 
 pytestmark = needs_c_compiler
+
+
+@pytest.fixture(autouse=True)
+def sdpa_prefills(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The chunks handed to SDPA instead of the kernel: none, unless a test takes them."""
+    handed: list[int] = []
+    sdpa = SDPABackend.attend_prefills
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        handed.append(len(args[3].prefills))
+        sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(SDPABackend, "attend_prefills", staticmethod(counted))
+    yield handed
+    assert not handed, f"prefill chunks went to SDPA: {handed}"
+
 
 Chunk = tuple[int, int]
 """(tokens computed before this step, tokens computed in it)."""
@@ -149,7 +174,34 @@ def test_prefill_kernel_at_avx2_width_equals_the_reference() -> None:
     assert_equals_reference(backend, step, 0.125, window=50)
 
 
-def test_head_dims_the_kernel_does_not_take_go_to_sdpa() -> None:
+def test_head_dims_the_kernel_does_not_take_go_to_sdpa(sdpa_prefills: list[int]) -> None:
     """A head dim that is not a multiple of 4: SDPA attends the chunks, with the same answer."""
     step = scattered_step(CHUNKS, 4, 2, 18, 8)
     assert_equals_reference(cpu_attention.PagedCPUBackend(), step, 0.25)
+    assert sdpa_prefills == [len(CHUNKS)]
+    sdpa_prefills.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 50])
+def test_int8_prefill_kernel_equals_the_reference_on_the_same_codes(
+    dtype: torch.dtype, window: int | None
+) -> None:
+    """The kernel decodes each chunk's codes with their scales; the reference dequantizes the
+    same codes (and keys stored smoothed are read by queries multiplied by the smoothing)."""
+    q, k, v, meta = scattered_step(WHOLE_PROMPTS + CHUNKS, 8, 4, 64, 16, dtype, (9, 40))
+    smoothing = torch.ones(64)
+    smoothing[[3, 35]] = 8.0  # a rotary pair stored divided by 8
+    k8 = dataclasses.replace(as_int8(k.float() / smoothing, dtype), smoothing=smoothing)
+    v8 = as_int8(v.float(), dtype)
+    int8_meta = AttentionMetadata(
+        [(k8, v8)], meta.slot_mapping, meta.prefills, meta.decodes, meta.backend
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert_equals_reference(
+        cpu_attention.PagedCPUBackend(), (q, k8, v8, int8_meta), 0.125, window, tolerance
+    )
+    rows = computed_rows(meta)
+    on_float = ReferenceBackend().attend(q, k, v, meta, 0.125, window)[rows]
+    on_codes = ReferenceBackend().attend(q, k8, v8, int8_meta, 0.125, window)[rows]
+    assert not torch.equal(on_float, on_codes)  # the codes are read, not a float copy

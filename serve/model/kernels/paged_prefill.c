@@ -22,6 +22,9 @@
  * and no key or value is transposed. Rows are normalised and written back at the end.
  * T is float or uint16_t (bfloat16 bits: queries and the chunk's keys and values widened to
  * float first); scores, softmax and sums are float32.
+ * int8 caches (the `_i8_` functions): k and v hold int8 codes in the same layout, and
+ *   k_scales, v_scales [num_blocks, block_size, KVH] float: each chunk's keys and values are
+ *   decoded (codes x scale) into float rows first.
  * Returns 0, 1 for shapes past the limits below, 2 when scratch memory could not be had.
  */
 #include <float.h>
@@ -175,26 +178,32 @@ static void softmax_chunk(float *st, int64_t kc, float *m, float *l, float *alph
 }
 
 /* Row pointers of chunk keys c0 .. c0 + kc - 1 of KV head g: into the cache (float), or into
- * `widened` after converting them (bfloat16). */
-static void chunk_rows(const void *cache, int bf16, const int64_t *table, int64_t block_size,
-                       int64_t KVH, int64_t g, int64_t D, int64_t c0, int64_t kc, float *widened,
-                       const float **rows) {
+ * `widened` after converting them (bfloat16; int8 codes x their scale). */
+static void chunk_rows(const void *cache, const float *scales, int bf16, const int64_t *table,
+                       int64_t block_size, int64_t KVH, int64_t g, int64_t D, int64_t c0,
+                       int64_t kc, float *widened, const float **rows) {
     for (int64_t j = 0; j < kc; j++) {
         const int64_t t = c0 + j;
-        const int64_t at = ((table[t / block_size] * block_size + t % block_size) * KVH + g) * D;
-        if (bf16) {
-            const uint16_t *src = (const uint16_t *)cache + at;
-            float *dst = widened + j * D;
+        const int64_t slot = (table[t / block_size] * block_size + t % block_size) * KVH + g;
+        float *dst = widened + j * D;
+        if (scales) {
+            const int8_t *src = (const int8_t *)cache + slot * D;
+            const float scale = scales[slot];
+            for (int64_t d = 0; d < D; d++) dst[d] = (float)src[d] * scale;
+            rows[j] = dst;
+        } else if (bf16) {
+            const uint16_t *src = (const uint16_t *)cache + slot * D;
             for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(src[d]);
             rows[j] = dst;
         } else {
-            rows[j] = (const float *)cache + at;
+            rows[j] = (const float *)cache + slot * D;
         }
     }
 }
 
 typedef struct {
     const void *q, *k, *v;
+    const float *ks, *vs; /* int8 caches' scales; NULL for float caches */
     void *out;
     const int64_t *table;
     int64_t start, n, seq_len, H, KVH, D, block_size, window;
@@ -231,8 +240,10 @@ static int item(const Prefill *pf, int64_t g, int64_t i0, int64_t i1) {
     const int64_t kfirst = pf->window > 0 && p0 - pf->window + 1 > 0 ? p0 - pf->window + 1 : 0;
     for (int64_t c0 = kfirst; c0 <= p1; c0 += KC) {
         const int64_t kc = p1 + 1 - c0 < KC ? p1 + 1 - c0 : KC;
-        chunk_rows(pf->k, pf->bf16, pf->table, pf->block_size, pf->KVH, g, D, c0, kc, kw, krows);
-        chunk_rows(pf->v, pf->bf16, pf->table, pf->block_size, pf->KVH, g, D, c0, kc, vw, vrows);
+        chunk_rows(pf->k, pf->ks, pf->bf16, pf->table, pf->block_size, pf->KVH, g, D, c0, kc, kw,
+                   krows);
+        chunk_rows(pf->v, pf->vs, pf->bf16, pf->table, pf->block_size, pf->KVH, g, D, c0, kc, vw,
+                   vrows);
         int64_t j = 0;
         for (; j + 4 <= kc; j += 4) scores4(qt, krows + j, D, st + j * RV);
         for (; j < kc; j++) scores1(qt, krows[j], D, st + j * RV);
@@ -262,7 +273,8 @@ static int item(const Prefill *pf, int64_t g, int64_t i0, int64_t i1) {
     return 0;
 }
 
-static int paged_prefill(const void *q, const void *k, const void *v, const int64_t *starts,
+static int paged_prefill(const void *q, const void *k, const void *v, const float *k_scales,
+                         const float *v_scales, const int64_t *starts,
                          const int64_t *query_lens, const int64_t *seq_lens,
                          const int64_t *block_tables, int64_t table_width, void *out, int64_t P,
                          int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale,
@@ -282,8 +294,11 @@ static int paged_prefill(const void *q, const void *k, const void *v, const int6
         const int64_t local = it - firsts[s], tiles = (query_lens[s] + tile - 1) / tile;
         const int64_t g = local % KVH, t = tiles - 1 - local / KVH; /* the longest tiles first */
         const int64_t i0 = t * tile, i1 = i0 + tile < query_lens[s] ? i0 + tile : query_lens[s];
-        const Prefill pf = {q, k, v, out, block_tables + s * table_width, starts[s],
-                            query_lens[s], seq_lens[s], H, KVH, D, block_size, window, scale, bf16};
+        const Prefill pf = {.q = q, .k = k, .v = v, .ks = k_scales, .vs = v_scales, .out = out,
+                            .table = block_tables + s * table_width, .start = starts[s],
+                            .n = query_lens[s], .seq_len = seq_lens[s], .H = H, .KVH = KVH,
+                            .D = D, .block_size = block_size, .window = window, .scale = scale,
+                            .bf16 = bf16};
         const int r = item(&pf, g, i0, i1);
         if (r) rc = r;
     }
@@ -291,14 +306,20 @@ static int paged_prefill(const void *q, const void *k, const void *v, const int6
     return rc;
 }
 
-#define DEFINE_PAGED_PREFILL(NAME, BF16)                                                       \
-    int NAME(const void *q, const void *k, const void *v, const int64_t *starts,                \
+#define DEFINE_PAGED_PREFILL(NAME, BF16, SCALE_PARAMS, KS, VS)                                 \
+    int NAME(const void *q, const void *k, const void *v, SCALE_PARAMS const int64_t *starts,   \
              const int64_t *query_lens, const int64_t *seq_lens, const int64_t *block_tables,  \
              int64_t table_width, void *out, int64_t P, int64_t H, int64_t KVH, int64_t D,     \
              int64_t block_size, float scale, int64_t window, int num_threads) {               \
-        return paged_prefill(q, k, v, starts, query_lens, seq_lens, block_tables, table_width, \
-                             out, P, H, KVH, D, block_size, scale, window, num_threads, BF16); \
+        return paged_prefill(q, k, v, KS, VS, starts, query_lens, seq_lens, block_tables,      \
+                             table_width, out, P, H, KVH, D, block_size, scale, window,        \
+                             num_threads, BF16);                                               \
     }
 
-DEFINE_PAGED_PREFILL(paged_prefill_f32, 0)
-DEFINE_PAGED_PREFILL(paged_prefill_bf16, 1)
+#define SCALES const float *k_scales, const float *v_scales,
+#define NO_SCALES
+
+DEFINE_PAGED_PREFILL(paged_prefill_f32, 0, NO_SCALES, NULL, NULL)
+DEFINE_PAGED_PREFILL(paged_prefill_bf16, 1, NO_SCALES, NULL, NULL)
+DEFINE_PAGED_PREFILL(paged_prefill_i8_f32, 0, SCALES, k_scales, v_scales)
+DEFINE_PAGED_PREFILL(paged_prefill_i8_bf16, 1, SCALES, k_scales, v_scales)
