@@ -14,8 +14,11 @@ kernels then appear as operators named after what they fuse.)
 Both systems run once unprofiled first (vLLM compiles, caches warm). Traces are Chrome JSON;
 self time = an event's duration less its children's on the same thread. The engine's decode
 and prefill attention kernels (ctypes calls, not torch operators) are timed through a
-`record_function` around each, so they count as attention, not as time outside operators. vLLM's trace covers its
-worker process (where the model runs); its frontend's time is in its wall time only. Under each
+`record_function` around each, so they count as attention, not as time outside operators.
+vLLM's trace covers its worker process (where the model runs); its frontend's time is in its
+wall time only. NOTE: under the profiler this engine's 1,024-row oneDNN products took 20.7 ms a
+call against 12.6 ms timed by hand in the same engine, so its linears row overstates them;
+compare linears unprofiled (`step_bench`, `bench-engine`). Under each
 family the output lists its largest operators per system (`TOP`; also in the JSON), so a family's
 gap can be traced to the operators behind it. Linears, most of a step on the CPU, are also split
 by product shape, rows x in -> out features (`linears_by_rows`: both traces record shapes): a

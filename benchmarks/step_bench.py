@@ -7,10 +7,9 @@ a decode step at 1, 16 and 64 running sequences, and the prefill of 1,024 prompt
 Engine systems: engine (defaults), engine-bf16, engine-compile, engine-bf16-compile, engine-unmerged
 and engine-compile-unmerged (q/k/v and gate/up as separate products), engine-unfused
 (transformers' decoder layers, not `serve/model/fused_layers.py`'s), engine-block8 and
-engine-block32 (KV blocks of 8 / 32 tokens instead of the default 16; every system's cache holds 65,536 tokens),
-engine-sdpa-prefill and engine-bf16-sdpa-prefill (prefill chunks through SDPA, not the paged
-prefill kernel)
-(`--compile`: graphs built when the system is set up, not timed), sdpa (the gather backend),
+engine-block32 (KV blocks of 8 / 32 tokens instead of the default 16; every system's cache
+holds 65,536 tokens), engine-sdpa-prefill and engine-bf16-sdpa-prefill (prefill chunks through
+SDPA, not the paged prefill kernel) (`--compile`: graphs built when the system is set up, not timed), sdpa (the gather backend),
 sdpa-flinear (also without prepacked linears). Baselines: generate, generate-bf16, and vllm
 (`--vllm-venv`: vLLM's offline engine in its own venv, default flags, prefix caching off).
 

@@ -15,8 +15,8 @@ op `workbench::paged_attention`.
 Backends implement `attend`: `SDPABackend` gathers each sequence's blocks and runs
 `scaled_dot_product_attention` (decoding sequences in batched calls of similar lengths), on any
 device; `PagedCPUBackend` (`serve/model/cpu_attention.py`) reads K/V from their blocks in place
-with C kernels (decodes; every prefill chunk of the step in one call); `ReferenceBackend` is a plain per-sequence loop, kept as the readable definition
-to test against.
+with C kernels (the decodes, and every prefill chunk of the step, each in one call a layer);
+`ReferenceBackend` is a plain per-sequence loop, kept as the readable definition to test against.
 """
 
 from __future__ import annotations
