@@ -50,7 +50,13 @@
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 /* A vector loaded once and used from a register by the four products after it (compilers fold
  * the load into each FMA otherwise: four loads where one does). */
+#if defined(__x86_64__) || defined(__i386__)
 #define IN_REGISTER(x) __asm__("" : "+x"(x))
+#elif defined(__aarch64__)
+#define IN_REGISTER(x) __asm__("" : "+w"(x))
+#else
+#define IN_REGISTER(x) ((void)0)
+#endif
 
 /* st[j][0:RV] = sum_d krow_j[d] * qt[d][0:RV] for four keys. */
 static inline void scores4(const float *qt, const float *const *krows, int64_t D, float *st) {
