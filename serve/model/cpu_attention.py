@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -101,7 +102,34 @@ def _kernel_operands(
 
 
 MAX_GROUP, MAX_HEAD_DIM = 16, 512
-"""The kernel's limits: query heads per KV head, and head dim."""
+"""The kernels' limits: query heads per KV head, and head dim (the prefill kernel's: a multiple
+of 4 too)."""
+
+
+def _launch(
+    function: Any,
+    pointers: list[int],
+    count: int,
+    q: torch.Tensor,
+    k_cache: KVTensor,
+    scale: float,
+    window: int | None,
+    kernel: str,
+) -> None:
+    """Call a kernel: its own leading arguments (data pointers, a table's width), then the tail
+    both kernels share: sequences (chunks), heads, KV heads, head dim, block size, scale, window
+    (0: none), threads. A failure (shapes past the limits, no scratch memory) raises."""
+    _, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    threads = torch.get_num_threads()
+    shapes = (heads, kv_heads, head_dim, block_size)
+    rc = function(*pointers, count, *shapes, scale, window or 0, threads)
+    if rc != 0:
+        raise RuntimeError(
+            f"paged {kernel} kernel failed (code {rc}): heads {heads}, kv heads {kv_heads}, head "
+            f"dim {head_dim} (at most {MAX_GROUP} query heads per KV head, head dim <= "
+            f"{MAX_HEAD_DIM}; code 2: no memory for its scratch)"
+        )
 
 
 def unsupported_reason(
@@ -160,14 +188,14 @@ class PagedCPUBackend(SDPABackend):
         """Every prefill chunk of the step in one kernel call, writing their rows of `out`;
         through SDPA where the kernel cannot take them (a head dim not a multiple of 4, no
         kernel)."""
-        kernel_q, function, caches = _kernel_operands(
+        kernel_q, name, caches = _kernel_operands(
             q, k_cache, v_cache, _PREFILL_FUNCTIONS, _PREFILL_INT8_FUNCTIONS
         )
         head_dim = q.shape[-1]
         if (
             not meta.prefills
             or self.prefill_lib is None
-            or function is None
+            or name is None
             or head_dim % 4
             or not (kernel_q.is_contiguous() and out.is_contiguous())
         ):
@@ -175,31 +203,11 @@ class PagedCPUBackend(SDPABackend):
             return
         table = meta.prefill_table
         assert all(c.is_contiguous() for c in caches)
-        _, block_size, kv_heads, _ = k_cache.shape
-        rc = getattr(self.prefill_lib, function)(
-            kernel_q.data_ptr(),
-            *[c.data_ptr() for c in caches],
-            table.starts.data_ptr(),
-            table.query_lens.data_ptr(),
-            table.seq_lens.data_ptr(),
-            table.block_tables.data_ptr(),
-            table.block_tables.shape[1],
-            out.data_ptr(),
-            len(meta.prefills),
-            q.shape[1],
-            kv_heads,
-            head_dim,
-            block_size,
-            scale,
-            window or 0,
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise RuntimeError(
-                f"paged prefill kernel failed (code {rc}): heads {q.shape[1]}, kv heads "
-                f"{kv_heads}, head dim {head_dim} (at most {MAX_GROUP} query heads per KV head, "
-                f"head dim <= {MAX_HEAD_DIM} and a multiple of 4)"
-            )
+        pointers = [kernel_q.data_ptr(), *[c.data_ptr() for c in caches]]
+        pointers += [t.data_ptr() for t in (table.starts, table.query_lens, table.seq_lens)]
+        pointers += [table.block_tables.data_ptr(), table.block_tables.shape[1], out.data_ptr()]
+        function = getattr(self.prefill_lib, name)
+        _launch(function, pointers, len(meta.prefills), q, k_cache, scale, window, "prefill")
 
     def attend_decodes(
         self,
@@ -212,41 +220,19 @@ class PagedCPUBackend(SDPABackend):
     ) -> torch.Tensor:
         """One decode group through the kernel: q [S_g, heads, head_dim] (a token per
         sequence) -> the same shape."""
-        q, function, caches = _kernel_operands(q, k_cache, v_cache, _FUNCTIONS, _INT8_FUNCTIONS)
-        if q.device.type != "cpu" or function is None:
+        q, name, caches = _kernel_operands(q, k_cache, v_cache, _FUNCTIONS, _INT8_FUNCTIONS)
+        if q.device.type != "cpu" or name is None:
             raise ValueError(
                 "paged-cpu attention takes CPU float32/bfloat16 queries over a cache of their "
                 f"dtype or int8, got {q.dtype} queries"
             )
         q = q.contiguous()
         out = torch.empty_like(q)
-        s, heads, head_dim = q.shape
-        _, block_size, kv_heads, _ = k_cache.shape
         tables = group.block_tables.contiguous()
         lens = group.seq_lens.contiguous()
         assert tables.dtype == lens.dtype == torch.int64
         assert all(c.is_contiguous() for c in caches)
-        function = getattr(self.lib, function)
-        rc = function(
-            q.data_ptr(),
-            *[c.data_ptr() for c in caches],
-            tables.data_ptr(),
-            tables.shape[1],
-            lens.data_ptr(),
-            out.data_ptr(),
-            s,
-            heads,
-            kv_heads,
-            head_dim,
-            block_size,
-            scale,
-            window or 0,
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise RuntimeError(
-                f"paged decode kernel failed (code {rc}): heads {heads}, kv heads {kv_heads}, "
-                f"head dim {head_dim} (at most {MAX_GROUP} query heads per KV head, head dim <= "
-                f"{MAX_HEAD_DIM})"
-            )
+        pointers = [q.data_ptr(), *[c.data_ptr() for c in caches], tables.data_ptr()]
+        pointers += [tables.shape[1], lens.data_ptr(), out.data_ptr()]
+        _launch(getattr(self.lib, name), pointers, len(q), q, k_cache, scale, window, "decode")
         return out

@@ -17,18 +17,26 @@ from serve.model.step_inputs import decode_groups
 from tests.serve.conftest import needs_c_compiler
 
 
-def scattered_decode(
-    lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeGroup]:
-    """Random q and caches; each sequence's blocks drawn at random from a shuffled pool; the
-    decode group built as a step builds it."""
+def scattered_caches(
+    lens: list[int], kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """Random K and V caches, and a block table per sequence of `lens` tokens: its blocks drawn
+    at random from a shuffled pool (5 blocks spare)."""
     rng = random.Random(0)
     counts = [-(-n // block_size) for n in lens]
     free = list(range(sum(counts) + 5))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(c)] for c in counts]
     shape = (sum(counts) + 5, block_size, kv_heads, head_dim)
-    k, v = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), tables
+
+
+def scattered_decode(
+    lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeGroup]:
+    """Random q and caches on scattered blocks (`scattered_caches`); the decode group built as a
+    step builds it."""
+    k, v, tables = scattered_caches(lens, kv_heads, head_dim, block_size, dtype)
     q = torch.randn(len(lens), heads, head_dim).to(dtype)
     rows = list(range(len(lens)))
     (group,) = decode_groups(rows, tables, lens, block_size, None, torch.device("cpu"))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import platform
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from serve.model.attention import (
 from serve.model.native import build_library
 from serve.model.step_inputs import decode_groups
 from tests.serve.conftest import needs_c_compiler
+from tests.serve.test_cpu_attention import scattered_caches
 from tests.serve.test_kv_cache_int8 import as_int8
 
 pytestmark = needs_c_compiler
@@ -58,17 +58,11 @@ def scattered_step(
     dtype: torch.dtype = torch.float32,
     decode_lens: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Random queries and caches; each sequence's blocks drawn from a shuffled pool; prefill
-    chunks first in the flat batch (one spare row before them), decodes after."""
-    rng = random.Random(0)
+    """Random queries and caches on scattered blocks (`scattered_caches`); prefill chunks first in
+    the flat batch (one spare row before them), decodes after."""
     torch.manual_seed(0)
     lens = [done + n for done, n in chunks] + list(decode_lens)
-    counts = [-(-n // block_size) for n in lens]
-    free = list(range(sum(counts) + 5))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(c)] for c in counts]
-    shape = (sum(counts) + 5, block_size, kv_heads, head_dim)
-    k, v = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    k, v, tables = scattered_caches(lens, kv_heads, head_dim, block_size, dtype)
     prefills, row = [], 1
     for (done, n), table in zip(chunks, tables):
         prefills.append(SequenceSlice(row, row + n, done + n, torch.tensor(table)))
