@@ -14,7 +14,8 @@ blocks in place, key blocks past a query tile's last position never read (SDPA's
 computes about three quarters of the full square at 1,024 tokens and gathers each sequence's
 blocks first); a tile's (position, query head) rows sit across SIMD lanes, so both products
 broadcast a key's (value's) scalar against row vectors. Caches as the decode kernel's (an int8
-chunk's keys and values decoded into float rows first).
+chunk's keys and values decoded into float rows first). Used where the CPU has FMA (x86 with AVX2
+or AVX-512): built without it, the kernel measured 1.5-4x slower than SDPA, which then stays.
 
 The library is built by `serve/model/native.py` with `-O3 -ffast-math`; where no compiler
 works, `load_kernel` returns None and the engine keeps SDPA.
@@ -25,6 +26,7 @@ token-exact against `generate`.
 from __future__ import annotations
 
 import ctypes
+import logging
 from functools import cache
 from typing import Any
 
@@ -33,6 +35,8 @@ import torch
 from serve.model.attention import AttentionMetadata, DecodeGroup, SDPABackend
 from serve.model.kv_cache import Int8KV, KVTensor
 from serve.model.native import KERNELS, NEEDS_COMPILER, load_library
+
+log = logging.getLogger(__name__)
 
 SOURCE = KERNELS / "paged_decode.c"
 COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -60,11 +64,17 @@ _PREFILL_INT8_ARGTYPES = [*_PREFILL_ARGTYPES[:3], _P, _P, *_PREFILL_ARGTYPES[3:]
 
 @cache
 def load_prefill_kernel() -> ctypes.CDLL | None:
-    """The prefill kernel's library, built on first use; None (logged once) where it cannot be:
+    """The prefill kernel's library, built on first use; None (logged once) where it cannot be
+    built or is slower than SDPA (a CPU without FMA: `paged_prefill_lanes`, measured on x86):
     prefill chunks then stay on SDPA."""
-    signatures = {name: _PREFILL_ARGTYPES for name in _PREFILL_FUNCTIONS.values()}
+    signatures: dict[str, list[Any]] = {"paged_prefill_lanes": []}
+    signatures |= {name: _PREFILL_ARGTYPES for name in _PREFILL_FUNCTIONS.values()}
     signatures |= {name: _PREFILL_INT8_ARGTYPES for name in _PREFILL_INT8_FUNCTIONS.values()}
-    return load_library(PREFILL_SOURCE, COMPILE, signatures, "paged CPU prefill unavailable")
+    lib = load_library(PREFILL_SOURCE, COMPILE, signatures, "paged CPU prefill unavailable")
+    if lib is not None and lib.paged_prefill_lanes() == 0:
+        log.warning("paged CPU prefill off: this CPU has no FMA, where SDPA is faster")
+        return None
+    return lib
 
 
 @cache

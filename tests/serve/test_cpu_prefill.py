@@ -28,6 +28,10 @@ from tests.serve.test_cpu_attention import scattered_caches
 from tests.serve.test_kv_cache_int8 import as_int8
 
 pytestmark = needs_c_compiler
+needs_prefill_kernel = pytest.mark.skipif(
+    cpu_attention.load_prefill_kernel() is None,
+    reason="the engine keeps SDPA for prefills here (no C compiler, or a CPU without FMA)",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +46,8 @@ def sdpa_prefills(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
     monkeypatch.setattr(SDPABackend, "attend_prefills", staticmethod(counted))
     yield handed
-    assert not handed, f"prefill chunks went to SDPA: {handed}"
+    if cpu_attention.load_prefill_kernel() is not None:
+        assert not handed, f"prefill chunks went to SDPA: {handed}"
 
 
 Chunk = tuple[int, int]
@@ -102,6 +107,7 @@ CHUNKS = [(16, 48), (7, 2), (100, 163), (64, 1), (250, 300)]
 """Chunks of longer contexts: their queries are the last positions, every earlier key visible."""
 
 
+@needs_prefill_kernel
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(8, 4, 64, 16), (4, 4, 32, 16), (9, 3, 80, 8), (16, 1, 128, 5), (4, 1, 256, 16)],
@@ -114,6 +120,7 @@ def test_prefill_kernel_equals_the_reference(
     assert_equals_reference(cpu_attention.PagedCPUBackend(), step, head_dim**-0.5)
 
 
+@needs_prefill_kernel
 @pytest.mark.parametrize("window", [1, 7, 16, 64, 1000])
 def test_sliding_window_prefill_kernel_equals_the_reference(window: int) -> None:
     step = scattered_step(WHOLE_PROMPTS + CHUNKS, 4, 2, 64, 16)
@@ -127,11 +134,13 @@ def test_sliding_window_prefill_kernel_equals_the_reference(window: int) -> None
         )
 
 
+@needs_prefill_kernel
 def test_bfloat16_prefill_kernel_is_float32_math_rounded_once() -> None:
     step = scattered_step(WHOLE_PROMPTS + CHUNKS, 8, 4, 64, 16, torch.bfloat16)
     assert_equals_reference(cpu_attention.PagedCPUBackend(), step, 0.125, tolerance=1e-2)
 
 
+@needs_prefill_kernel
 def test_prefill_kernel_leaves_other_rows_alone() -> None:
     """Only each chunk's own rows of the output are written (decode rows by the decode kernel,
     the spare row by no one)."""
@@ -152,20 +161,39 @@ def _has_avx2() -> bool:
 
 
 @pytest.mark.skipif(not _has_avx2(), reason="needs an x86 CPU with AVX2")
-def test_prefill_kernel_at_avx2_width_equals_the_reference() -> None:
-    """The kernel compiled for AVX2 (8 lanes: tiles of 32 rows) as a CPU without AVX-512 runs it,
-    whatever this CPU has."""
-    flags = [f for f in cpu_attention.COMPILE if not f.startswith("-march")] + ["-march=haswell"]
+@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2-8-lanes", "sse-4-lanes"])
+def test_prefill_kernel_at_narrower_widths_equals_the_reference(march: str) -> None:
+    """The kernel compiled for AVX2 (8 lanes: tiles of 32 rows) and for plain x86-64 (4 lanes,
+    as on NEON: tiles of 16 rows), as CPUs without AVX-512 run it, whatever this CPU has; the
+    build without FMA says it should not be used."""
+    flags = [f for f in cpu_attention.COMPILE if not f.startswith("-march")] + [f"-march={march}"]
     lib, why_not = build_library(cpu_attention.PREFILL_SOURCE, flags)
     if lib is None:
-        pytest.skip(f"cannot build for AVX2 here: {why_not}")
+        pytest.skip(f"cannot build for {march} here: {why_not}")
     for name in ("paged_prefill_f32", "paged_prefill_bf16"):
         getattr(lib, name).argtypes = cpu_attention._PREFILL_ARGTYPES
+    lib.paged_prefill_lanes.argtypes = []
+    # without FMA (x86-64's baseline) the engine keeps SDPA: slower there
+    assert lib.paged_prefill_lanes() == (8 if march == "haswell" else 0)
     backend = cpu_attention.PagedCPUBackend()
     backend.prefill_lib = lib
     step = scattered_step(WHOLE_PROMPTS + CHUNKS, 8, 2, 64, 16)
     assert_equals_reference(backend, step, 0.125)
     assert_equals_reference(backend, step, 0.125, window=50)
+    groups_of_16 = scattered_step(CHUNKS, 16, 1, 32, 16)  # G = 16: one position a 16-row tile
+    assert_equals_reference(backend, groups_of_16, 32**-0.5)
+
+
+def test_the_engine_loads_the_kernel_where_this_cpu_has_fma() -> None:
+    lib = cpu_attention.load_prefill_kernel()
+    has_fma = (
+        " fma" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else None
+    )
+    if has_fma is None:
+        pytest.skip("no /proc/cpuinfo to read the CPU's features from")
+    assert (lib is not None) == has_fma
+    if lib is not None:
+        assert lib.paged_prefill_lanes() in (8, 16)
 
 
 def test_head_dims_the_kernel_does_not_take_go_to_sdpa(sdpa_prefills: list[int]) -> None:
@@ -176,6 +204,7 @@ def test_head_dims_the_kernel_does_not_take_go_to_sdpa(sdpa_prefills: list[int])
     sdpa_prefills.clear()
 
 
+@needs_prefill_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 50])
 def test_int8_prefill_kernel_equals_the_reference_on_the_same_codes(
