@@ -62,15 +62,21 @@ kernel's: count, heads, KV heads, head dim, block size, scale, window, threads."
 _PREFILL_INT8_ARGTYPES = [*_PREFILL_ARGTYPES[:3], _P, _P, *_PREFILL_ARGTYPES[3:]]
 
 
-@cache
-def load_prefill_kernel() -> ctypes.CDLL | None:
-    """The prefill kernel's library, built on first use; None (logged once) where it cannot be
-    built or is slower than SDPA (a CPU without FMA: `paged_prefill_lanes`, measured on x86):
-    prefill chunks then stay on SDPA."""
+def build_prefill_kernel(flags: list[str]) -> ctypes.CDLL | None:
+    """The prefill kernel compiled with `flags` (built once per flags and CPU), its functions'
+    signatures declared; None (logged) where it cannot be built."""
     signatures: dict[str, list[Any]] = {"paged_prefill_lanes": []}
     signatures |= {name: _PREFILL_ARGTYPES for name in _PREFILL_FUNCTIONS.values()}
     signatures |= {name: _PREFILL_INT8_ARGTYPES for name in _PREFILL_INT8_FUNCTIONS.values()}
-    lib = load_library(PREFILL_SOURCE, COMPILE, signatures, "paged CPU prefill unavailable")
+    return load_library(PREFILL_SOURCE, flags, signatures, "paged CPU prefill unavailable")
+
+
+@cache
+def load_prefill_kernel() -> ctypes.CDLL | None:
+    """The prefill kernel's library for this CPU, built on first use; None (logged once) where it
+    cannot be built or is slower than SDPA (a CPU without FMA: `paged_prefill_lanes`, measured on
+    x86): prefill chunks then stay on SDPA."""
+    lib = build_prefill_kernel(COMPILE)
     if lib is not None and lib.paged_prefill_lanes() == 0:
         log.warning("paged CPU prefill off: this CPU has no FMA, where SDPA is faster")
         return None
@@ -198,17 +204,14 @@ class PagedCPUBackend(SDPABackend):
         """Every prefill chunk of the step in one kernel call, writing their rows of `out`;
         through SDPA where the kernel cannot take them (a head dim not a multiple of 4, no
         kernel)."""
-        kernel_q, name, caches = _kernel_operands(
-            q, k_cache, v_cache, _PREFILL_FUNCTIONS, _PREFILL_INT8_FUNCTIONS
-        )
-        head_dim = q.shape[-1]
-        if (
-            not meta.prefills
-            or self.prefill_lib is None
-            or name is None
-            or head_dim % 4
-            or not (kernel_q.is_contiguous() and out.is_contiguous())
-        ):
+        if not meta.prefills:
+            return
+        kernel_q, name, caches = q, None, list[torch.Tensor]()
+        if self.prefill_lib is not None and q.shape[-1] % 4 == 0:
+            kernel_q, name, caches = _kernel_operands(
+                q, k_cache, v_cache, _PREFILL_FUNCTIONS, _PREFILL_INT8_FUNCTIONS
+            )
+        if name is None or not (kernel_q.is_contiguous() and out.is_contiguous()):
             SDPABackend.attend_prefills(q, k_cache, v_cache, meta, scale, out, window)
             return
         table = meta.prefill_table

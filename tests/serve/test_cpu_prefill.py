@@ -1,7 +1,7 @@
 """The paged-cpu prefill kernel (`serve/model/kernels/paged_prefill.c`) against the reference
 backend: whole prompts and chunks of longer contexts, on scattered blocks, with and without a
-sliding window, in float32 and bfloat16, at both SIMD widths it compiles to; and where it hands
-chunks to SDPA instead."""
+sliding window, in float32, bfloat16 and over int8 caches, at each SIMD width it compiles to; and
+where it hands chunks to SDPA instead."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from serve.model.attention import (
     SDPABackend,
     SequenceSlice,
 )
-from serve.model.native import build_library
 from serve.model.step_inputs import decode_groups
 from tests.serve.conftest import needs_c_compiler
 from tests.serve.test_cpu_attention import scattered_caches
@@ -167,12 +166,9 @@ def test_prefill_kernel_at_narrower_widths_equals_the_reference(march: str) -> N
     as on NEON: tiles of 16 rows), as CPUs without AVX-512 run it, whatever this CPU has; the
     build without FMA says it should not be used."""
     flags = [f for f in cpu_attention.COMPILE if not f.startswith("-march")] + [f"-march={march}"]
-    lib, why_not = build_library(cpu_attention.PREFILL_SOURCE, flags)
+    lib = cpu_attention.build_prefill_kernel(flags)
     if lib is None:
-        pytest.skip(f"cannot build for {march} here: {why_not}")
-    for name in ("paged_prefill_f32", "paged_prefill_bf16"):
-        getattr(lib, name).argtypes = cpu_attention._PREFILL_ARGTYPES
-    lib.paged_prefill_lanes.argtypes = []
+        pytest.skip(f"cannot build for {march} here (the log says why)")
     # without FMA (x86-64's baseline) the engine keeps SDPA: slower there
     assert lib.paged_prefill_lanes() == (8 if march == "haswell" else 0)
     backend = cpu_attention.PagedCPUBackend()

@@ -219,6 +219,12 @@ typedef struct {
     int bf16;
 } Prefill;
 
+/* Where row r of an item (KV head g, tile from query index i0) starts in q and out: the query
+ * at index i0 + r / G, query head g * G + r % G. */
+static inline int64_t row_at(const Prefill *pf, int64_t g, int64_t i0, int64_t r, int64_t G) {
+    return ((pf->start + i0 + r / G) * pf->H + g * G + r % G) * pf->D;
+}
+
 /* One work item: KV head g, the tile of query indices i0 .. i1 - 1. */
 static int item(const Prefill *pf, int64_t g, int64_t i0, int64_t i1) {
     const int64_t H = pf->H, D = pf->D, G = H / pf->KVH, rows = (i1 - i0) * G;
@@ -233,7 +239,7 @@ static int item(const Prefill *pf, int64_t g, int64_t i0, int64_t i1) {
     for (int64_t r = 0; r < RV; r++) pos[r] = r < rows ? p0 + r / G : p1;
     memset(qt, 0, sizeof(float) * (size_t)(2 * D * RV)); /* qt's padding rows, and ot */
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t at = ((pf->start + i0 + r / G) * H + g * G + r % G) * D;
+        const int64_t at = row_at(pf, g, i0, r, G);
         if (pf->bf16)
             for (int64_t d = 0; d < D; d++)
                 qt[d * RV + r] = bf16_to_f32(((const uint16_t *)pf->q)[at + d]) * pf->scale;
@@ -269,7 +275,7 @@ static int item(const Prefill *pf, int64_t g, int64_t i0, int64_t i1) {
     for (int64_t r0 = 0; r0 < rows; r0 += 16)
         for (int64_t d0 = 0; d0 < D; d0 += 16)
             for (int64_t r = r0; r < r0 + 16 && r < rows; r++) {
-                const int64_t at = ((pf->start + i0 + r / G) * H + g * G + r % G) * D;
+                const int64_t at = row_at(pf, g, i0, r, G);
                 for (int64_t d = d0; d < d0 + 16 && d < D; d++) {
                     if (pf->bf16)
                         ((uint16_t *)pf->out)[at + d] = f32_to_bf16(ot[d * RV + r]);
