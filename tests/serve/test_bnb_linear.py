@@ -5,6 +5,11 @@ only where bitsandbytes would compute the same way."""
 from __future__ import annotations
 
 import ctypes
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +19,7 @@ from serve.model.bnb_linear import (
     DEQUANTIZE_ROWS,
     FourBitLinear,
     Int8Linear,
+    exact_int8_products,
     load_kernel,
     replace_bnb_linears,
     why_kept_4bit,
@@ -138,6 +144,17 @@ def int8_layer(out_features: int, in_features: int, threshold: float, bias: bool
     return layer.to("cpu").eval()  # quantizes; eval: the inference path (MatMul8bitLt)
 
 
+@pytest.fixture(params=["kernel", "int_mm"])
+def int8_product(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each LLM.int8 test through both products: the C kernel and float32 sums (what CPUs
+    without exact int8 products run), and torch's int8 matmul (where this CPU's is exact)."""
+    if request.param == "int_mm" and not exact_int8_products():
+        pytest.skip("torch._int_mm is not exact on this CPU (no VNNI): the engine keeps the kernel")
+    exact = request.param == "int_mm"
+    monkeypatch.setattr("serve.model.bnb_linear.exact_int8_products", lambda: exact)
+    return str(request.param)
+
+
 def int8_input(rows: int, in_features: int, outliers: bool) -> torch.Tensor:
     x = torch.randn(rows, in_features)
     if outliers:  # LLM.int8's outlier features: a few columns far above the threshold
@@ -151,7 +168,7 @@ def int8_input(rows: int, in_features: int, outliers: bool) -> torch.Tensor:
     [(6.0, True, True), (6.0, False, False), (0.0, True, False)],
 )
 def test_int8_products_equal_bitsandbytes_bit_for_bit(
-    rows: int, threshold: float, outliers: bool, bias: bool
+    rows: int, threshold: float, outliers: bool, bias: bool, int8_product: str
 ) -> None:
     """The same quantization, int32 product (exact), dequantization and outlier product as
     bitsandbytes' own layer: equal results, not merely close."""
@@ -167,7 +184,9 @@ def test_int8_products_equal_bitsandbytes_bit_for_bit(
         assert (x.abs() >= threshold).any()  # the outlier path ran
 
 
-def test_int8_layers_replace_before_or_after_their_first_call_and_keep_fp16_ones() -> None:
+def test_int8_layers_replace_before_or_after_their_first_call_and_keep_fp16_ones(
+    int8_product: str,
+) -> None:
     fresh, called = int8_layer(64, 128, 6.0, False), int8_layer(64, 128, 6.0, False)
     x = int8_input(5, 128, True)
     with torch.no_grad():
@@ -183,7 +202,7 @@ def test_int8_layers_replace_before_or_after_their_first_call_and_keep_fp16_ones
     assert isinstance(layers["trainable"], bnb.nn.Linear8bitLt)
 
 
-def test_int8_kernel_rounds_every_step_as_bitsandbytes_over_many_inputs() -> None:
+def test_int8_kernel_rounds_every_step_as_bitsandbytes_over_many_inputs(int8_product: str) -> None:
     """The kernel does bitsandbytes' float16 cast, outlier split, row scales (torch's 127 / s is
     s.reciprocal() * 127), half-to-even rounding and dequantization: 40 random batches of 1 to
     400 rows (both paths; from 256 rows its quantization runs on every thread), scales from tiny
@@ -197,3 +216,43 @@ def test_int8_kernel_rounds_every_step_as_bitsandbytes_over_many_inputs() -> Non
         x[rows // 2] = 0.0
         with torch.no_grad():
             assert torch.equal(mine(x), layer(x.clone())), f"trial {trial}: {rows} rows"
+
+
+SATURATING_PRODUCTS = """
+import sys
+import torch
+import bitsandbytes as bnb
+from serve.model.bnb_linear import Int8Linear, exact_int8_products, load_kernel
+layer = torch.load(sys.argv[1], weights_only=False)
+x = torch.load(sys.argv[2])
+with torch.no_grad():
+    torch.save(Int8Linear(layer, load_kernel())(x), sys.argv[3])
+print(exact_int8_products())
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="oneDNN's x86 ISAs")
+def test_int8_products_stay_exact_where_onednn_int8_matmul_saturates(tmp_path: Path) -> None:
+    """oneDNN's int8 matmul without VNNI sums u8 x s8 pairs in saturating int16: codes at their
+    extremes (every pair 2 x 255 x 127) give wrong int32 sums. Forced here on any x86 CPU
+    (`ONEDNN_MAX_CPU_ISA=AVX2`, while torch still believes VNNI runs): the probe must see it and
+    the layer keep exact results (bitsandbytes' own, computed outside that setting)."""
+    layer = bnb.nn.Linear8bitLt(256, 64, bias=False, has_fp16_weights=False, threshold=6.0)
+    weight = torch.full((64, 256), 0.05)
+    weight[32:] = -0.05
+    layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    layer = layer.to("cpu").eval()
+    x = torch.full((200, 256), 5.0)
+    x[100:] = -5.0
+    torch.save(layer, tmp_path / "layer.pt")
+    torch.save(x, tmp_path / "x.pt")
+    with torch.no_grad():
+        expected = layer(x.clone())
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    paths = [str(tmp_path / name) for name in ("layer.pt", "x.pt", "y.pt")]
+    done = subprocess.run(
+        [sys.executable, "-c", SATURATING_PRODUCTS, *paths], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "False"
+    assert torch.equal(torch.load(paths[2]), expected)
