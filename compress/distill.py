@@ -152,6 +152,16 @@ def student_from(
     return student
 
 
+def _perplexity(model: torch.nn.Module, rows: torch.Tensor, precision: str) -> float:
+    """`perplexity` in the training's precision: the trained student is validated under its
+    training's autocast (accelerate's wrapper), so the teacher and an untrained student are too
+    (one precision for all three figures). SmolLM2's 64 windows of the corpus: 15.5 s and
+    perplexity 30.068 in float32, 9.1 s and 30.081 under bfloat16 autocast."""
+    device = next(model.parameters()).device.type
+    with torch.autocast(device, torch.bfloat16, enabled=precision == "bf16"):
+        return perplexity(model, rows)
+
+
 def _distill_loss(
     teacher: torch.nn.Module, p: DistillParams, cache: TopKCache | None
 ) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
@@ -215,16 +225,19 @@ class Distill(Step):
         student.save_pretrained(ctx.out_dir)
         copy_side_files(artifact.path, ctx.out_dir)
         by_step = info.get("validation_perplexity_by_step")
+        precision = resolve_precision(p.mixed_precision)
         info |= {
             "kept_layers": keep,
             # training ends by validating the final weights on `val`: that figure, not a second pass
-            "validation_perplexity": by_step[-1][1] if by_step else perplexity(student, val),
+            "validation_perplexity": by_step[-1][1]
+            if by_step
+            else _perplexity(student, val, precision),
             "teacher_validation_perplexity": _teacher_measure(
                 artifact.path,
-                ("validation perplexity", p.data, p.seq_len, val.shape[0]),
-                lambda: perplexity(teacher, val),
+                ("validation perplexity", p.data, p.seq_len, val.shape[0], precision),
+                lambda: _perplexity(teacher, val, precision),
             ),
-            "mixed_precision": resolve_precision(p.mixed_precision),
+            "mixed_precision": precision,
         }
         return Artifact(ctx.out_dir, "model", info)
 

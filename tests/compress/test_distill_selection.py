@@ -216,6 +216,35 @@ def test_students_of_one_teacher_measure_it_once(
     assert len({built[n]["teacher_validation_perplexity"] for n in built}) == 1
 
 
+@pytest.mark.parametrize("precision", ["bf16", "no"])
+def test_teacher_and_untrained_student_perplexities_run_in_the_training_precision(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, precision: str
+) -> None:
+    """A trained student is validated under its training's autocast (accelerate's wrapper); the
+    teacher's perplexity and a removal-only student's are measured in the same precision, not
+    in float32 beside a bfloat16 student."""
+    import compress.distill
+
+    seen: list[bool] = []
+    measure = compress.distill.perplexity
+    monkeypatch.setattr(compress.distill, "_TEACHER_MEASURES", {})
+    monkeypatch.setattr(
+        compress.distill,
+        "perplexity",
+        lambda m, rows: seen.append(torch.is_autocast_enabled("cpu")) or measure(m, rows),
+    )
+    (tmp_path / "recipe.yaml").write_text(
+        "name: p\nbase: demo-tiny\nvariants:\n  - {name: removal, steps: [{distill: {layers: 1, "
+        f"seq_len: 64, steps: 0, mixed_precision: '{precision}'}}}}]}}\n"
+    )
+    recipe, base = load_recipe(tmp_path / "recipe.yaml")
+    (built,) = Pipeline(recipe, base, tmp_path / "w").run()
+    assert seen == [precision == "bf16"] * 2  # the student's, then the teacher's
+    info = built.manifest.to_json()["info"]
+    assert info["mixed_precision"] == precision
+    assert info["validation_perplexity"] > info["teacher_validation_perplexity"] > 1
+
+
 def test_importance_selection_with_a_layer_list_is_a_recipe_error(tmp_path: Path) -> None:
     path = tmp_path / "r.yaml"
     path.write_text(
