@@ -7,7 +7,8 @@ or one of lm-eval's standard tasks by its standard name (`evals.standard_tasks`:
 definition, its data from the local HF cache or the bundled copies). Only those files are indexed
 (a `TaskManager` with lm-eval's task tree switched off); lm-eval runs with the hub switched off
 (and, unless a task reads the user's HF cache, that cache in a temporary dir), so nothing can be
-fetched. A task may be scored on a seeded random subset of `limit` documents (lm-eval's `samples`).
+fetched. A task may be scored on a seeded random subset of `limit` documents (lm-eval's `samples`;
+for a bundled copy, a split file of those documents alone, scored in the same order).
 Accuracies come with their standard error. `max_length` is the window of the rolling perplexity
 and the longest context scored; one value per recipe, so variants compare.
 """
@@ -20,6 +21,7 @@ import random
 import re
 import tempfile
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,19 +186,36 @@ def _leaf_doc_counts(names: list[str], manager: Any) -> dict[str, int]:
     return {name: len(task.eval_docs) for name, task in tasks.items()}
 
 
-def _subsets(tasks: list[TaskRequest], manager: Any) -> dict[str, list[int]]:
-    """lm-eval's `samples`: for each leaf of a task with a limit, `limit` sorted document
-    indices drawn with the task's seed (all documents when there are no more)."""
-    limited = [t for t in tasks if t.limit is not None]
-    if not limited:
-        return {}
+def _draw(request: TaskRequest, total: int) -> list[int] | None:
+    """`limit` sorted document indices of `total` drawn with the task's seed; None (all of
+    them) when there are no more."""
+    if request.limit is None or request.limit >= total:
+        return None
+    return sorted(random.Random(request.seed).sample(range(total), request.limit))
+
+
+def _subsets(
+    tasks: list[TaskRequest], manager: Any, written: AbstractSet[str] = frozenset()
+) -> dict[str, list[int]]:
+    """lm-eval's `samples` for each leaf of a task with a limit that is not among `written`
+    (bundled leaves whose subset is already their split: `_bundled_subsets`)."""
     out: dict[str, list[int]] = {}
-    for t in limited:
-        assert t.limit is not None
+    for t in tasks:
+        if t.limit is None or set(standard_tasks.leaf_tasks(t.name)) <= written:
+            continue
         for leaf, total in _leaf_doc_counts([t.name], manager).items():
-            if t.limit < total:
-                out[leaf] = sorted(random.Random(t.seed).sample(range(total), t.limit))
+            rows = _draw(t, total)
+            if rows is not None and leaf not in written:
+                out[leaf] = rows
     return out
+
+
+def _bundled_subsets(request: TaskRequest, leaves: list[TaskSource]) -> dict[str, list[int] | None]:
+    """{leaf: its subset's rows, or None for all} for a standard task read from bundled copies
+    (counted from their files, no task built); {} for any other task."""
+    if request.limit is None or not leaves or any(s.source != "bundled" for s in leaves):
+        return {}
+    return {s.task: _draw(request, standard_tasks.bundled_documents(s)) for s in leaves}
 
 
 def run_tasks(
@@ -215,16 +234,21 @@ def run_tasks(
     leaves = {t.name: _leaf_sources(t) for t in tasks}
     hub = any(s.source == "hub" for found in leaves.values() for s in found)
     with tempfile.TemporaryDirectory(prefix="workbench-tasks-") as tmp, offline_hub(not hub):
-        records = []
-        for name, found in leaves.items():
+        records, written = [], set()
+        subset_rows: dict[str, list[int]] = {}
+        for t in tasks:
+            found = leaves[t.name]
+            subsets = _bundled_subsets(t, found) if limit is None else {}
             for where in found:
-                standard_tasks.write_task_yaml(where, Path(tmp))
+                standard_tasks.write_task_yaml(where, Path(tmp), subsets.get(where.task))
+            written |= set(subsets)
+            subset_rows |= {leaf: rows for leaf, rows in subsets.items() if rows is not None}
             records += found
-            if standard_tasks.leaf_tasks(name) != [name]:  # a group (mmlu)
-                standard_tasks.write_group_yaml(name, Path(tmp))
-                records.append(standard_tasks.group_source(name, found))
+            if standard_tasks.leaf_tasks(t.name) != [t.name]:  # a group (mmlu)
+                standard_tasks.write_group_yaml(t.name, Path(tmp))
+                records.append(standard_tasks.group_source(t.name, found))
         manager = task_manager(Path(tmp))
-        samples = _subsets(tasks, manager) if limit is None else {}
+        samples = _subsets(tasks, manager, written) if limit is None else {}
         results = simple_evaluate(
             model=model,
             model_args=model_args,
@@ -236,5 +260,8 @@ def run_tasks(
             bootstrap_iters=1000,  # accuracies' stderr is analytic; nothing here bootstraps
             verbosity="ERROR",
         )
+    for leaf, rows in subset_rows.items():  # the split's own indices, as `samples` logs them
+        for sample in results.get("samples", {}).get(leaf, []):
+            sample["doc_id"] = rows[sample["doc_id"]]
     results["workbench_sources"] = standard_tasks.split_record(records)
     return results
