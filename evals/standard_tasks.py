@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 
@@ -223,22 +223,30 @@ def bundled_split_file(where: TaskSource) -> Path:
     return path
 
 
+def _split_table(where: TaskSource) -> Any:
+    """A bundled copy's scored split as an arrow table (an IPC stream, `save_to_disk`'s format;
+    memory-mapped)."""
+    import pyarrow as pa
+
+    with pa.memory_map(str(bundled_split_file(where))) as source:
+        return pa.ipc.open_stream(source).read_all()
+
+
 def bundled_documents(where: TaskSource) -> int:
     """How many documents a bundled copy's scored split holds: its rows (the copies' own
     `process_docs` map documents one to one; none filters)."""
-    from datasets import Dataset
-
-    return Dataset.from_file(str(bundled_split_file(where))).num_rows
+    return int(_split_table(where).num_rows)
 
 
 def write_subset(where: TaskSource, rows: list[int], out_dir: Path) -> Path:
-    """Rows `rows` (sorted) of a bundled copy's scored split as an arrow file of their own."""
-    from datasets import Dataset
+    """Rows `rows` (sorted) of a bundled copy's scored split as an arrow file of their own (the
+    schema's metadata, which carries the `datasets` features, kept)."""
+    import pyarrow as pa
 
-    subset = Dataset.from_file(str(bundled_split_file(where))).select(rows)
-    folder = out_dir / f"{where.task}-subset"
-    subset.save_to_disk(str(folder))
-    (path,) = folder.glob("*.arrow")
+    subset = _split_table(where).take(pa.array(rows, type=pa.int64()))
+    path = out_dir / f"{where.task}-subset.arrow"
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, subset.schema) as writer:
+        writer.write_table(subset)
     return path
 
 
