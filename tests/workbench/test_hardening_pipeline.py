@@ -159,10 +159,47 @@ def test_training_keeps_only_the_newest_checkpoints(
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     rows = torch.randn(8, 4)
-    config = TrainConfig(steps=4, lr=1e-2, batch_size=2, checkpoint_every=1, keep_checkpoints=keep)
+    config = TrainConfig(steps=5, lr=1e-2, batch_size=2, checkpoint_every=1, keep_checkpoints=keep)
     train(model, rows, lambda m, batch: m(batch).pow(2).mean(), config, checkpoint_dir=tmp_path)
+    # none after the last step (5): the step's artifact follows, and its checkpoints go
     assert sorted(p.name for p in tmp_path.glob("step-*")) == left
     assert (tmp_path / "latest").read_text() == "step-4"
+
+
+def test_interrupted_training_resumes_from_its_newest_checkpoint_to_the_same_weights(
+    tmp_path: Path,
+) -> None:
+    """Killed during step 5 of 6 (checkpoints every 2 steps): the rerun starts after step 4 and
+    ends with the weights and losses of a run never interrupted."""
+    rows = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    config = TrainConfig(steps=6, lr=1e-2, batch_size=2, checkpoint_every=2)
+
+    def loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return model(batch).pow(2).mean()
+
+    def fresh() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 4)
+
+    whole = fresh()
+    expected = train(whole, rows, loss, config, checkpoint_dir=tmp_path / "whole")
+    calls = 0
+
+    def dies_in_step_5(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            raise KeyboardInterrupt
+        return loss(model, batch)
+
+    with pytest.raises(KeyboardInterrupt):
+        train(fresh(), rows, dies_in_step_5, config, checkpoint_dir=tmp_path / "cut")
+    assert (tmp_path / "cut" / "latest").read_text() == "step-4"
+    resumed_model = fresh()
+    resumed = train(resumed_model, rows, loss, config, checkpoint_dir=tmp_path / "cut")
+    assert resumed.resumed_from == 4 and resumed.losses == expected.losses
+    assert torch.equal(resumed_model.weight, whole.weight)
+    assert sorted(p.name for p in (tmp_path / "whole").glob("step-*")) == ["step-4"]
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two"])
