@@ -5,7 +5,7 @@ prompts of `--prompt-len` random tokens, `--max-tokens` outputs each, all submit
 the engine for every variant dir, round after round (A B C A B C), and prints output tokens/s
 per variant with its median ratio to the first dir. `--kernels-at-every-size` also runs each
 dir with torch's int4 / int8 CPU kernels at every call size (`NAME:kernels`; by default calls of
-`compress.packed.DEQUANTIZE_ROWS` rows or more are dequantized float32 matmuls), the same engine
+`compress.packed.dequantize_rows` rows or more are dequantized matmuls), the same engine
 and weights, so the two are compared in one run. `--bitsandbytes-layers` also runs each dir with
 bitsandbytes' own layers (`NAME:bitsandbytes`; by default the engine runs nf4 / fp4 / int8 layers
 through its own kernels where bitsandbytes would convert the whole weight a call: `bnb_linear`).
@@ -46,15 +46,12 @@ def tokens_per_second(
 
 
 def _run(
-    system: tuple[LLMEngine, int], prompts: list[list[int]], max_tokens: int
+    system: tuple[LLMEngine, bool], prompts: list[list[int]], max_tokens: int
 ) -> tuple[float, float]:
-    engine, dequantize_rows = system
-    default = packed.DEQUANTIZE_ROWS
-    packed.DEQUANTIZE_ROWS = dequantize_rows
-    try:
+    engine, kernels_only = system
+    kernels = mock.patch.object(packed, "dequantize_rows", lambda bits, x: sys.maxsize)
+    with kernels if kernels_only else contextlib.nullcontext():
         return tokens_per_second(engine, prompts, max_tokens)
-    finally:
-        packed.DEQUANTIZE_ROWS = default
 
 
 def load_engine(model: Path, requests: int, bitsandbytes_layers: bool = False) -> LLMEngine:
@@ -93,17 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [
         [rng.randrange(10, 500) for _ in range(args.prompt_len)] for _ in range(args.requests)
     ]
-    systems: dict[str, tuple[LLMEngine, int]] = {}
+    systems: dict[str, tuple[LLMEngine, bool]] = {}
     for d in args.dirs:
         engine = load_engine(d, args.requests)
-        systems[d.name] = (engine, packed.DEQUANTIZE_ROWS)
+        systems[d.name] = (engine, False)
         if args.kernels_at_every_size:
-            systems[f"{d.name}:kernels"] = (engine, sys.maxsize)
+            systems[f"{d.name}:kernels"] = (engine, True)
         if args.bitsandbytes_layers and any(
             isinstance(m, (FourBitLinear, Int8Linear)) for m in engine.runner.model.modules()
         ):
             own = load_engine(d, args.requests, bitsandbytes_layers=True)
-            systems[f"{d.name}:bitsandbytes"] = (own, packed.DEQUANTIZE_ROWS)
+            systems[f"{d.name}:bitsandbytes"] = (own, False)
     for system in systems.values():
         _run(system, prompts[:2], 4)  # warm-up
     speeds: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}

@@ -19,7 +19,8 @@ fitted one) alike.
   tensor (the `int4-wo` method) does the same. The engine and `generate` run the same modules;
   the tests' models stay token-exact, but the kernels' bf16 rounding can depend on how many rows
   a call has, so a near tie on a real model can flip (seen once on Gemma 3: an xfail test).
-- Calls of at least `DEQUANTIZE_ROWS` rows (prefill chunks, evaluation batches) skip the CPU
+- Calls of at least `dequantize_rows` rows (prefill chunks, evaluation batches: 64 where
+  bfloat16 is emulated, 64-1,024 by kind where it is native and the kernels fast) skip the CPU
   kernels: the weight is dequantized a bounded slice of rows at a time (from the kernel's own
   bfloat16 scales) and multiplied in float32, with the activations and the output rounded to
   bfloat16 as the kernels round them. Same numbers up to float32 summation order, about twice
@@ -61,6 +62,27 @@ DEQUANTIZE_ROWS = 64
 AVX2 CPU (bfloat16 emulated), Gemma 3's 640 x 2048 shapes: the int4 / int8 kernels take 1.4-1.9x
 a float32 matmul's time at 64 rows and 2.0-2.2x at 256-1,024, where dequantizing costs 0.3-2 ms
 a matrix; at 16 rows or fewer the kernels are as fast or faster."""
+NATIVE_BF16_DEQUANTIZE_ROWS: dict[tuple[int, bool], int] = {
+    (4, True): 256,
+    (8, True): 64,
+    (4, False): 1024,
+    (8, False): 1024,
+}
+"""The same threshold, by (bits, bfloat16 product), where bfloat16 is native and the kernels are
+fast. Measured on a 2-core AVX-512 / avx512_bf16 CPU at SmolLM2's 576 x 1,536 shapes (kernel /
+dequantized product, ms): int4 and bfloat16 activations 1.42 / 2.50 at 128 rows, 2.70-2.76 /
+2.35-3.04 at 256, 5.4 / 3.4-4.5 at 512; int8 0.77-0.83 / 0.59-0.62 at 64; float32 activations
+(a float32 product) int4 2.9 / 4.4-5.9 at 256 and 11.3-11.5 / 12.4-12.8 at 1,024 (parity at
+2,048), int8 3.0-3.3 / 3.1-3.2 at 256, 11.8-12.7 / 11.5-13.0 at 1,024."""
+
+
+def dequantize_rows(bits: int, x: torch.Tensor) -> int:
+    """Rows from which a CPU call of a `bits` linear on `x` dequantizes instead of running the
+    kernel: `DEQUANTIZE_ROWS` where bfloat16 is emulated, `NATIVE_BF16_DEQUANTIZE_ROWS` where it
+    is native."""
+    if not _native_bf16():
+        return DEQUANTIZE_ROWS
+    return NATIVE_BF16_DEQUANTIZE_ROWS[bits, bf16_products(x)]
 
 
 @cache
@@ -212,10 +234,11 @@ class PackedLinear4(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
             flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
-            if flat.shape[0] >= DEQUANTIZE_ROWS and bf16_products(x):
+            dequantize = flat.shape[0] >= dequantize_rows(4, x)
+            if dequantize and bf16_products(x):
                 align = 1 if self.layout is None else self.layout.block_n
                 y = dequantized_linear(flat, self.weight_rows_bf16, self.out_features, align)
-            elif flat.shape[0] >= DEQUANTIZE_ROWS:
+            elif dequantize:
                 align = 1 if self.layout is None else self.layout.block_n
                 y = dequantized_linear(flat.float(), self.weight_rows, self.out_features, align)
                 y = y.to(KERNEL_DTYPE)
@@ -301,11 +324,12 @@ class PackedLinear8(_Int8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
-        if self.kernel and flat.shape[0] >= DEQUANTIZE_ROWS and bf16_products(x):
+        dequantize = self.kernel and flat.shape[0] >= dequantize_rows(8, x)
+        if dequantize and bf16_products(x):
             codes = self.q_signed
             y = dequantized_linear(flat, lambda a, b: codes[a:b].to(flat.dtype), self.out_features)
             y = y * self.scales
-        elif self.kernel and flat.shape[0] >= DEQUANTIZE_ROWS:
+        elif dequantize:
             y = dequantized_linear(flat.float(), self.weight_rows, self.out_features).to(flat.dtype)
         elif self.kernel:
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q_signed, self.scales)
@@ -408,9 +432,9 @@ def packed_module(
 
 def adopt_torchao_int4(model: nn.Module) -> int:
     """Replace each CPU linear whose weight is torchao's `Int4OpaqueTensor` (the `int4-wo`
-    method) by a `PackedLinear4` over the same tensors, so calls of `DEQUANTIZE_ROWS` rows or
-    more take the dequantized float32 product (about twice the kernel's speed there: see the
-    module's docstring) and smaller ones the same kernel as torchao's; returns how many."""
+    method) by a `PackedLinear4` over the same tensors, so calls of `dequantize_rows` rows or
+    more take the dequantized product (about twice the kernel's speed there: see the module's
+    docstring) and smaller ones the same kernel as torchao's; returns how many."""
     from torchao.prototype.quantization.int4 import Int4OpaqueTensor
 
     replaced = 0

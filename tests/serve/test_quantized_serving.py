@@ -167,10 +167,10 @@ def test_int4_wo_linears_run_as_packed_modules_over_torchaos_tensors(
     quantized: dict[str, Path],
 ) -> None:
     """`int4-wo` loads through torchao, then each of its linears becomes a `PackedLinear4` over
-    the same two tensors: the same bytes, the same kernel below `DEQUANTIZE_ROWS` rows (equal
-    logits), the dequantized float32 product from there (within bfloat16 rounding)."""
+    the same two tensors: the same bytes, the same kernel below `dequantize_rows` rows (equal
+    logits), the dequantized product from there (within bfloat16 rounding)."""
     from compress.load_spec import _int4_at_load, load_model, read_load_spec
-    from compress.packed import DEQUANTIZE_ROWS, PackedLinear4
+    from compress.packed import PackedLinear4, dequantize_rows
     from evals.artifact_eval import memory_bytes
 
     path = quantized["int4-wo"]
@@ -183,9 +183,10 @@ def test_int4_wo_linears_run_as_packed_modules_over_torchaos_tensors(
     assert memory_bytes(ours) == memory_bytes(torchao)
     torch.manual_seed(0)
     with torch.no_grad():
-        short = torch.randint(0, 500, (1, DEQUANTIZE_ROWS - 1))
+        rows = dequantize_rows(4, torch.zeros(1, dtype=ours.dtype))
+        short = torch.randint(0, 500, (1, rows - 1))
         assert torch.equal(ours(short).logits, torchao(short).logits)
-        long = torch.randint(0, 500, (2, 3 * DEQUANTIZE_ROWS))
+        long = torch.randint(0, 500, (2, rows + 64))
         a, b = ours(long).logits.float(), torchao(long).logits.float()
         assert (a - b).abs().max() <= 0.05 * b.abs().max()
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
