@@ -224,11 +224,11 @@ def bundled_split_file(where: TaskSource) -> Path:
 
 
 def _split_table(where: TaskSource) -> Any:
-    """A bundled copy's scored split as an arrow table (an IPC stream, `save_to_disk`'s format;
-    memory-mapped)."""
+    """A bundled copy's scored split as an arrow table (an IPC stream, `save_to_disk`'s format),
+    read into memory (11 MB for the largest here, HellaSwag's 10,042 documents)."""
     import pyarrow as pa
 
-    with pa.memory_map(str(bundled_split_file(where))) as source:
+    with pa.OSFile(str(bundled_split_file(where))) as source:
         return pa.ipc.open_stream(source).read_all()
 
 
