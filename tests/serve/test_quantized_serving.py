@@ -55,7 +55,7 @@ def test_int4_wo_in_bfloat16_products_leaves_generate_only_at_near_ties(
     """With native bfloat16 products (forced here, on any CPU) the engine's prefill-sized calls
     round int4 weights to bfloat16 while `generate`'s shorter calls keep the kernel: where a
     greedy output leaves `generate`'s, `generate`'s own two candidates at that step are within
-    bfloat16 noise of each other, and before it every token is the same."""
+    a few bfloat16 steps of each other, and before it every token is the same."""
     monkeypatch.setattr("compress.packed._native_bf16", lambda: True)
     cases = make_cases(8, seed=5, vocab=500, max_prompt=60, max_out=16)
     model = load_model(quantized["int4-wo"])
@@ -73,8 +73,9 @@ def test_int4_wo_in_bfloat16_products_leaves_generate_only_at_near_ties(
         pair = logits[[want[step], got[step]]]
         bf16_step = float(pair.abs().max().log2().floor().exp2()) / 128
         margins.append((float(pair[0] - pair[1]), bf16_step))
-    # measured: 1 of 8 differs, by one bfloat16 step of its logits (0.03125)
-    assert all(0 <= gap <= 2 * bf16_step for gap, bf16_step in margins), margins
+    # measured (AVX-512): 1 of 8 differs, by one bfloat16 step of its logits (0.03125); the
+    # bound leaves room for CPUs that emulate bfloat16 (other roundings), not for a wrong product
+    assert all(0 <= gap <= 4 * bf16_step for gap, bf16_step in margins), margins
 
 
 def test_engine_runs_bitsandbytes_layers_through_its_own_kernels(
