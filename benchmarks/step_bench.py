@@ -10,8 +10,9 @@ and engine-compile-unmerged (q/k/v and gate/up as separate products), engine-unf
 engine-block32 (KV blocks of 8 / 32 tokens instead of the default 16; every system's cache
 holds 65,536 tokens), engine-sdpa-prefill and engine-bf16-sdpa-prefill (prefill chunks through
 SDPA, not the paged prefill kernel) (`--compile`: graphs built when the system is set up, not
-timed), sdpa (the gather backend), sdpa-flinear (also without prepacked linears). Baselines: generate, generate-bf16, and vllm
-(`--vllm-venv`: vLLM's offline engine in its own venv, default flags, prefix caching off).
+timed), sdpa (the gather backend), sdpa-flinear (also without prepacked linears). Baselines:
+generate, generate-bf16, and vllm (`--vllm-venv`: vLLM's offline engine in its own venv, default
+flags, prefix caching off).
 
 - engine systems: `n` requests of `context` prompt tokens are prefilled, then 32 decode steps are
   timed (`engine.step()`, all of it: schedule, inputs, forward, sample, update). Prefill: one

@@ -235,11 +235,10 @@ class PackedLinear4(nn.Module):
         if self.kernel:
             flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
             dequantize = flat.shape[0] >= dequantize_rows(4, x)
+            align = 1 if self.layout is None else self.layout.block_n
             if dequantize and bf16_products(x):
-                align = 1 if self.layout is None else self.layout.block_n
                 y = dequantized_linear(flat, self.weight_rows_bf16, self.out_features, align)
             elif dequantize:
-                align = 1 if self.layout is None else self.layout.block_n
                 y = dequantized_linear(flat.float(), self.weight_rows, self.out_features, align)
                 y = y.to(KERNEL_DTYPE)
             else:

@@ -234,21 +234,20 @@ def run_tasks(
     leaves = {t.name: _leaf_sources(t) for t in tasks}
     hub = any(s.source == "hub" for found in leaves.values() for s in found)
     with tempfile.TemporaryDirectory(prefix="workbench-tasks-") as tmp, offline_hub(not hub):
-        records, written = [], set()
-        subset_rows: dict[str, list[int]] = {}
+        records = []
+        bundled: dict[str, list[int] | None] = {}  # leaf: its subset's rows (None: all)
         for t in tasks:
             found = leaves[t.name]
             subsets = _bundled_subsets(t, found) if limit is None else {}
             for where in found:
                 standard_tasks.write_task_yaml(where, Path(tmp), subsets.get(where.task))
-            written |= set(subsets)
-            subset_rows |= {leaf: rows for leaf, rows in subsets.items() if rows is not None}
+            bundled |= subsets
             records += found
             if standard_tasks.leaf_tasks(t.name) != [t.name]:  # a group (mmlu)
                 standard_tasks.write_group_yaml(t.name, Path(tmp))
                 records.append(standard_tasks.group_source(t.name, found))
         manager = task_manager(Path(tmp))
-        samples = _subsets(tasks, manager, written) if limit is None else {}
+        samples = _subsets(tasks, manager, bundled.keys()) if limit is None else {}
         results = simple_evaluate(
             model=model,
             model_args=model_args,
@@ -260,7 +259,9 @@ def run_tasks(
             bootstrap_iters=1000,  # accuracies' stderr is analytic; nothing here bootstraps
             verbosity="ERROR",
         )
-    for leaf, rows in subset_rows.items():  # the split's own indices, as `samples` logs them
+    for leaf, rows in bundled.items():  # the split's own indices, as `samples` logs them
+        if rows is None:
+            continue
         for sample in results.get("samples", {}).get(leaf, []):
             sample["doc_id"] = rows[sample["doc_id"]]
     results["workbench_sources"] = standard_tasks.split_record(records)

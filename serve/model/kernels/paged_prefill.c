@@ -15,8 +15,9 @@
  *
  * Model: a work item is (prefill, KV head, tile of query positions): its rows are the tile's
  * (position, query head) pairs of that KV head, RV of them at most (64 with AVX-512, 32 with
- * AVX2, 16 with 128-bit vectors), laid out across SIMD lanes. The item walks its keys in chunks of KC, flash-attention
- * style: scores S^T [key][row] = K . Q^T (a key's scalar broadcast against the rows' vectors),
+ * AVX2, 16 with 128-bit vectors), laid out across SIMD lanes. The item walks its keys in chunks
+ * of KC, flash-attention style: scores S^T [key][row] = K . Q^T (a key's scalar broadcast against
+ * the rows' vectors),
  * the online softmax per row (a running max and sum, earlier sums rescaled), then
  * O^T [dim][row] += V^T . P^T the same way, so both products run on row vectors in registers
  * and no key or value is transposed. Rows are normalised and written back at the end.
