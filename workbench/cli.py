@@ -15,6 +15,7 @@ from compress.gguf_export import GGUF_TYPES
 from compress.gguf_kquants import K_QUANTS
 from evals.load_cli import add_bench_arguments
 from serve.http.cli import add_serve_arguments, int_in
+from serve.model.host_memory import keep_freed_memory
 from workbench.pipeline import Pipeline, PipelineError, VariantResult
 from workbench.recipe import RecipeError, load_recipe
 
@@ -293,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, extra = build_parser().parse_known_args(argv)
+    keep_freed_memory()
     if args.command == "bench-engine":
         args.args = extra + args.args
     elif args.command == "bench":

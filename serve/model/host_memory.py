@@ -1,17 +1,24 @@
 """Keep freed host memory in the process, so a CPU forward does not page-fault on every tensor.
 
 Model: glibc's malloc serves blocks above its mmap threshold (128 KiB at start, raised as large
-blocks are freed) with fresh `mmap`s, and returns the heap's free top above the trim threshold to
-the kernel. A CPU forward allocates and frees tensors of megabytes in every layer (a 1,024-token
-prefill of a 512-wide model: 2-5 MiB each), so without tuning each of them is new memory that the
-kernel zeroes and faults in page by page, which took about a quarter of a 25M Llama's prefill
-(396 -> 305 ms). vLLM's CPU backend gets the same effect by preloading tcmalloc.
+blocks are freed, at most 32 MiB) with fresh `mmap`s that it unmaps on free, and returns the
+heap's free top above the trim threshold to the kernel. A CPU forward allocates and frees
+tensors of megabytes in every layer (a 1,024-token prefill of a 512-wide model: 2-5 MiB each),
+and training and scoring over a vocabulary free and allocate again blocks of 100 MiB or more a
+step (SmolLM2's logits of 512 positions in float32, its embedding's gradient): without tuning
+each of them is new memory that the kernel zeroes and faults in page by page, which took about
+a quarter of a 25M Llama's prefill (396 -> 305 ms) and a sixth of a SmolLM2 distillation step
+(2.26 -> 1.90 s; `docs/measured.md`, "Host memory"). vLLM's CPU backend gets the same effect by
+preloading tcmalloc.
 
-`keep_freed_memory` sets the mmap threshold to its glibc maximum (32 MiB on 64-bit) and the trim
-threshold high, so freed blocks are reused instead of unmapped. It is process-wide, costs the peak
-of what was freed staying resident, and is done once; it does nothing where libc is not glibc, or
-where the user tuned malloc already (any `MALLOC_*_` variable, `glibc.malloc` tunables, or
-`LD_PRELOAD` naming an allocator), and it is switched off by `WORKBENCH_KEEP_FREED_MEMORY=0`.
+`keep_freed_memory` serves every block from the heap (no mmap at any size; the mmap threshold
+also at its glibc maximum, for a C library that mmaps anyway) and sets the trim threshold high,
+so freed blocks are reused instead of unmapped. It is process-wide, keeps the peak of what was
+freed resident until the process exits, and is done once; it does nothing where libc is not
+glibc, or where the user tuned malloc already (any `MALLOC_*_` variable, `glibc.malloc`
+tunables, or `LD_PRELOAD` naming an allocator), and it is switched off by
+`WORKBENCH_KEEP_FREED_MEMORY=0`. The engines call it when they are built; `workbench`'s
+commands at their start, so training and quantization get it too.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import ctypes
 import ctypes.util
 import os
 
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4
 MMAP_THRESHOLD = 32 << 20
 """glibc's largest accepted mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)."""
 TRIM_THRESHOLD = 1 << 30
@@ -55,6 +62,7 @@ def keep_freed_memory() -> bool:
                 return False
             mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
             settings = (
+                (M_MMAP_MAX, 0),
                 (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
                 (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
                 (M_TOP_PAD, TOP_PAD),

@@ -19,14 +19,36 @@ PROBE = (  # the module alone: importing the serve package would load torch (sec
 )
 
 
-def tuned(**env: str) -> str:
+LOAD = (  # the module alone: importing the serve package would load torch (seconds per case)
+    "import importlib.util as u\n"
+    f"s = u.spec_from_file_location('host_memory', {str(MODULE)!r})\n"
+    "m = u.module_from_spec(s)\n"
+    "s.loader.exec_module(m)\n"
+)
+LARGE_BLOCK = """
+import ctypes
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks \
+uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes, libc.mallinfo2.restype = [ctypes.c_void_p], Info
+tuned = m.keep_freed_memory()
+before = libc.mallinfo2().hblkhd
+block = libc.malloc(128 << 20)  # a 128 MiB block: the bytes glibc maps for it
+print(tuned, libc.mallinfo2().hblkhd - before)
+libc.free(block)
+"""
+
+
+def tuned(probe: str = PROBE, **env: str) -> str:
     clean = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")
     }
     result = subprocess.run(
-        [sys.executable, "-c", PROBE],
+        [sys.executable, "-c", probe],
         env={**clean, **env},
         capture_output=True,
         text=True,
@@ -38,6 +60,18 @@ def tuned(**env: str) -> str:
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc tuning applies to glibc")
 def test_keep_freed_memory_tunes_glibc_once() -> None:
     assert tuned() == "True True"
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc tuning applies to glibc")
+def test_blocks_above_glibcs_largest_mmap_threshold_come_from_the_heap_too() -> None:
+    """A logits tensor of 100 MiB freed and allocated again each training step must not be
+    mapped afresh (and faulted in page by page) every time: no block is mmapped once tuned."""
+    probe = PROBE.replace(
+        "print(m.keep_freed_memory(), m.keep_freed_memory())", "m.keep_freed_memory()"
+    )
+    assert tuned(f"{probe}; {LARGE_BLOCK}") == "True 0"
+    untuned = tuned(f"{probe}; {LARGE_BLOCK}", WORKBENCH_KEEP_FREED_MEMORY="0").split()
+    assert untuned[0] == "False" and int(untuned[1]) >= 128 << 20
 
 
 @pytest.mark.parametrize(
