@@ -7,8 +7,6 @@ import contextlib
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -123,23 +121,23 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def served(model: str, serve_flags: list[str], log: Path) -> Iterator[str]:
-    """`python -m serve MODEL` in a subprocess on a free port; yields its URL. The server is
-    this process's own (loopback, a port nobody else was told): the API key a user exports for
-    their servers ($WORKBENCH_API_KEY) is not passed on, or it would lock out our own requests."""
+    """`python -m serve MODEL` in a process of its own (`evals.server_process`: forked warm) on a
+    free port; yields its URL. The server is this process's own (loopback, a port nobody else
+    was told): the API key a user exports for their servers ($WORKBENCH_API_KEY) is not passed
+    on, or it would lock out our own requests."""
+    from evals.server_process import start_server
     from serve.http.cli import API_KEY_ENV
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "serve", model, "--port", str(port), *serve_flags]
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    proc = start_server([model, "--port", str(port), *serve_flags], log, env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
         while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}; see {log}")
+            if proc.exitcode is not None:
+                raise RuntimeError(f"the server exited with {proc.exitcode}; see {log}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break
@@ -148,8 +146,11 @@ def served(model: str, serve_flags: list[str], log: Path) -> Iterator[str]:
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        proc.terminate()  # a graceful shutdown; killed if it takes more than a minute
+        proc.join(timeout=60)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
 
 
 def run_bench(args: argparse.Namespace, serve_flags: list[str]) -> LoadResult:

@@ -102,3 +102,54 @@ def test_bench_exit_code_counts_failed_requests(tiny_model_dir: Path, tmp_path: 
     assert main(["bench", str(tiny_model_dir), *flags]) == 1
     (point,) = json.loads(out.read_text())["points"]
     assert point["failed"] == 4 and point["requests"] == 0
+
+
+@pytest.mark.e2e  # starts two servers
+def test_servers_fork_from_one_warm_forkserver_in_the_callers_directory(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both servers are children of the same forkserver (which imported the engine once), not
+    of this process; the second, started after a `chdir` and with an environment of its own,
+    finds a model named relative to the new directory and serves under that environment's API
+    key, as `python -m serve` started there would."""
+    import os
+    import time
+
+    import httpx
+
+    from evals.load_cli import _free_port
+    from evals.server_process import start_server
+
+    def up(port: int, process: object, headers: dict[str, str]) -> int:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and process.exitcode is None:  # type: ignore[attr-defined]
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=headers).status_code
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise AssertionError(f"no server on {port}: {process}")
+
+    def parent(pid: int) -> int:
+        status = (Path("/proc") / str(pid) / "status").read_text()
+        return int(status.split("PPid:")[1].split()[0])
+
+    parents, codes = [], []
+    env = dict(os.environ)
+    for i, model in enumerate([str(tiny_model_dir), tiny_model_dir.name]):
+        if i == 1:
+            monkeypatch.chdir(tiny_model_dir.parent)
+            env["WORKBENCH_API_KEY"] = "sk-second"
+        port = _free_port()
+        argv = [model, "--port", str(port), "--device", "cpu"]
+        process = start_server(argv, tmp_path / f"server-{i}.log", env)
+        try:
+            codes.append(up(port, process, {}))
+            if i == 1:
+                codes.append(up(port, process, {"Authorization": "Bearer sk-second"}))
+            parents.append(parent(process.pid))  # type: ignore[arg-type]
+        finally:
+            process.terminate()
+            process.join(60)
+        assert process.exitcode == 0
+    assert codes == [200, 401, 200]
+    assert parents[0] == parents[1] != os.getpid()
