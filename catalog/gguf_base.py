@@ -15,11 +15,15 @@ located as files; none is imported.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from compress.artifact import BUILD_RECORD_SUFFIX, file_sha256
 from compress.cache import cache_dir
@@ -133,12 +137,38 @@ def ensure_gguf_model(path: Path) -> Path:
     return build_once(final, GGUF_INFO, lambda tmp: convert_gguf(path, tmp), announce)
 
 
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Within the block, one `gguf.GGUFReader` per file and one tensor-name map per (architecture,
+    layers). transformers parses a GGUF file anew for the tokenizer, the config and the weights
+    (SmolLM2's: 49,152 tokens and their merges, read field by field through numpy memmaps) and
+    builds gguf's tensor-name map once per tensor; both are read-only once built, so sharing them
+    changes nothing but the time (SmolLM2's conversion on 2 cores: 15.5-15.8 -> 6.2-6.3 s)."""
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)  # type: ignore[arg-type]
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)  # type: ignore[assignment, misc]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map  # type: ignore[misc]
+
+
 def convert_gguf(path: Path, out: Path) -> None:
     """Dequantize `path` into a float32 safetensors HF dir (tokenizer and chat template with it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    with gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
     model.hf_quantizer = None  # type: ignore[assignment]  # the weights are plain floats now
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
