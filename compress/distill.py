@@ -29,7 +29,7 @@ from compress.data import check_data_in_context, load_texts, perplexity, token_r
 from compress.kd_loss import TopKCache, kd_and_ce, top_k_kl
 from compress.layer_importance import block_influence, most_influential
 from compress.registry import Step, StepContext, StepError, StepParams, register
-from compress.training import TrainConfig, resolve_precision, train
+from compress.training import TrainConfig, cast_frozen_linears, resolve_precision, train
 
 _TEACHER_MEASURES: dict[tuple[Hashable, ...], Any] = {}
 """What a teacher scores on fixed windows (its validation perplexity, block influence), by the
@@ -220,12 +220,14 @@ class Distill(Step):
         student = student_from(teacher, p, ctx.seed, keep)
         student.to(ctx.device)  # type: ignore[arg-type]
         val = token_rows(tok, load_texts(p.data, "validation", ctx.data), p.seq_len)[:64]
+        precision = resolve_precision(p.mixed_precision)
+        if p.steps and p.kd and precision == "bf16":  # the teacher runs under autocast alone
+            cast_frozen_linears(teacher)  # now that the student has copied its weights
         if p.steps:
             info |= self._train(teacher, student, tok, val, ctx)
         student.save_pretrained(ctx.out_dir)
         copy_side_files(artifact.path, ctx.out_dir)
         by_step = info.get("validation_perplexity_by_step")
-        precision = resolve_precision(p.mixed_precision)
         info |= {
             "kept_layers": keep,
             # training ends by validating the final weights on `val`: that figure, not a second pass

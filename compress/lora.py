@@ -20,7 +20,7 @@ from compress.data import NO_DATA, DataCatalog, check_data_in_context, load_text
 from compress.load_spec import NO_HUB_KERNELS
 from compress.registry import Step, StepContext, StepError, StepParams, register
 from compress.targets import as_peft_regex, select
-from compress.training import TrainConfig, resolve_precision, train
+from compress.training import TrainConfig, cast_frozen_linears, resolve_precision, train
 
 UNTRAINABLE_QUANTIZATION = ("int8-wo", "rtn", "gptq", "awq", "hqq", "mixed")
 """Quantized inputs LoRA training refuses: accelerate's `save_state` fails on torchao's int8
@@ -124,6 +124,8 @@ class Lora(Step):
             task_type="CAUSAL_LM",
         )
         peft_model = get_peft_model(model, config)
+        if resolve_precision(p.mixed_precision) == "bf16":  # the frozen base runs under autocast
+            cast_frozen_linears(peft_model)
         tok = AutoTokenizer.from_pretrained(artifact.path)
         rows = training_rows(p, tok, ctx.seed, ctx.data)
         cfg = TrainConfig(

@@ -59,6 +59,30 @@ def resolve_precision(mixed_precision: str) -> str:
     return mixed_precision
 
 
+def cast_frozen_linears(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Round the weights (and biases) of `model`'s frozen, plain linear layers to `dtype` once,
+    for a model run only under `dtype` autocast (a distillation teacher, a LoRA's base): autocast
+    rounds them the same way on every forward, so nothing computed changes, only the casts go
+    (a SmolLM2 teacher: 135M parameters read and written again every step). A head tied to the
+    input embedding gets a cast copy of its own; the embedding, the norms, quantized linears
+    and anything trainable keep theirs. Returns the parameters cast."""
+    cast = 0
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    embedding = getattr(model, "get_input_embeddings", lambda: None)()
+    for module in model.modules():
+        plain = type(module) is torch.nn.Linear and module.weight.is_floating_point()
+        if not plain or module.weight.requires_grad:  # quantized (bitsandbytes) or trained
+            continue
+        if module is head and embedding is not None and module.weight is embedding.weight:
+            module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), False)
+        else:
+            module.weight.data = module.weight.data.to(dtype)
+        if module.bias is not None:
+            module.bias.data = module.bias.data.to(dtype)
+        cast += module.weight.numel()
+    return cast
+
+
 @dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)

@@ -253,3 +253,99 @@ def test_importance_selection_with_a_layer_list_is_a_recipe_error(tmp_path: Path
     )
     with pytest.raises(RecipeError, match="select: importance chooses the layers"):
         load_recipe(path)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_cast_frozen_linears_rounds_frozen_linears_and_leaves_the_embedding(tied: bool) -> None:
+    from compress.training import cast_frozen_linears
+
+    model = _llama(layers=2)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.requires_grad_(False)
+    model.model.layers[1].mlp.down_proj.weight.requires_grad_(True)  # trainable: kept
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    head = model.lm_head.weight.detach().clone()
+    cast = cast_frozen_linears(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert cast == sum(m.weight.numel() for m in linears) - 32 * 64  # all but the trainable one
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    assert torch.equal(model.lm_head.weight, head.to(torch.bfloat16))
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.float32
+
+
+def test_a_teacher_cast_to_bfloat16_once_trains_the_same_student_as_autocast_casting_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KD under bf16 autocast: the teacher's frozen linears rounded to bfloat16 once before
+    training give the same losses, validation figures and student weights, bit for bit, as
+    autocast rounding them on every forward."""
+    import compress.distill
+
+    monkeypatch.setattr(compress.distill, "_TEACHER_MEASURES", {})
+    (tmp_path / "recipe.yaml").write_text(
+        "name: c\nbase: demo-tiny\nvariants:\n  - {name: s, steps: [{distill: {layers: 1, "
+        "seq_len: 32, steps: 3, batch_size: 2, eval_every: 2, mixed_precision: bf16}}]}\n"
+    )
+    recipe, base = load_recipe(tmp_path / "recipe.yaml")
+    cast = compress.distill.cast_frozen_linears
+    runs = []
+    for label, spy in [("cast", cast), ("autocast", lambda model: 0)]:
+        calls: list[int] = []
+        monkeypatch.setattr(
+            compress.distill, "cast_frozen_linears", lambda m, s=spy, c=calls: c.append(s(m)) or 0
+        )
+        monkeypatch.setattr(compress.distill, "_TEACHER_MEASURES", {})
+        (built,) = Pipeline(recipe, base, tmp_path / label).run()
+        assert len(calls) == 1 and (calls[0] > 0) == (label == "cast")
+        info = built.manifest.to_json()["info"]
+        weights = AutoModelForCausalLM.from_pretrained(built.path).state_dict()
+        runs.append((info, weights))
+    (cast_info, cast_weights), (auto_info, auto_weights) = runs
+    for key in ("first_loss", "final_loss", "validation_perplexity_by_step"):
+        assert cast_info[key] == auto_info[key], key
+    assert cast_info["teacher_validation_perplexity"] == auto_info["teacher_validation_perplexity"]
+    assert cast_weights.keys() == auto_weights.keys()
+    assert all(torch.equal(cast_weights[k], auto_weights[k]) for k in cast_weights)
+
+
+@pytest.mark.parametrize("qlora", [False, True])
+def test_a_lora_base_cast_to_bfloat16_once_trains_the_same_adapter_as_autocast_casting_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qlora: bool
+) -> None:
+    """LoRA and QLoRA under bf16 autocast: the frozen base's plain linears (and its head)
+    rounded to bfloat16 once give the same losses and adapter weights, bit for bit, as autocast
+    rounding them on every forward; a 4-bit base's quantized linears are left alone."""
+    from safetensors.torch import load_file
+
+    import compress.lora
+
+    lora = (
+        "{lora: {rank: 4, targets: [q_proj, v_proj], seq_len: 32, steps: 3, batch_size: 2, "
+        "mixed_precision: bf16}}"
+    )
+    steps = f"[{{quantize: {{method: bnb-nf4}}}}, {lora}]" if qlora else f"[{lora}]"
+    (tmp_path / "recipe.yaml").write_text(
+        f"name: l\nbase: demo-tiny\nvariants:\n  - {{name: a, steps: {steps}}}\n"
+    )
+    recipe, base = load_recipe(tmp_path / "recipe.yaml")
+    cast = compress.lora.cast_frozen_linears
+    runs = []
+    for label, spy in [("cast", cast), ("autocast", lambda model: 0)]:
+        calls: list[int] = []
+        monkeypatch.setattr(
+            compress.lora, "cast_frozen_linears", lambda m, s=spy, c=calls: c.append(s(m)) or 0
+        )
+        (built,) = Pipeline(recipe, base, tmp_path / label).run()
+        assert len(calls) == 1 and (calls[0] > 0) == (label == "cast")
+        info = built.manifest.to_json()["info"]
+        runs.append((info, load_file(built.path / "adapter_model.safetensors")))
+    (cast_info, cast_adapter), (auto_info, auto_adapter) = runs
+    assert (cast_info["first_loss"], cast_info["final_loss"]) == (
+        auto_info["first_loss"],
+        auto_info["final_loss"],
+    )
+    assert cast_adapter.keys() == auto_adapter.keys() and cast_adapter
+    assert all(torch.equal(cast_adapter[k], auto_adapter[k]) for k in cast_adapter)
