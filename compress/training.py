@@ -70,8 +70,9 @@ def cast_frozen_linears(model: torch.nn.Module, dtype: torch.dtype = torch.bfloa
     head = getattr(model, "get_output_embeddings", lambda: None)()
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
     for module in model.modules():
-        plain = type(module) is torch.nn.Linear and module.weight.is_floating_point()
-        if not plain or module.weight.requires_grad:  # quantized (bitsandbytes) or trained
+        if not isinstance(module, torch.nn.Linear) or type(module) is not torch.nn.Linear:
+            continue  # subclasses: quantized (bitsandbytes' Linear4bit, Linear8bitLt)
+        if not module.weight.is_floating_point() or module.weight.requires_grad:
             continue
         if module is head and embedding is not None and module.weight is embedding.weight:
             module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), False)
