@@ -122,11 +122,7 @@ def train(
     validate: Callable[[torch.nn.Module], float] | None = None,
     checkpoint_dir: Path | None = None,
 ) -> TrainResult:
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(), mixed_precision=resolve_precision(config.mixed_precision)
-    )
+    accelerator = _accelerator(resolve_precision(config.mixed_precision))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95), fused=fused_adamw(params)
@@ -168,6 +164,20 @@ def train(
     if validate:
         result.validation.append((config.steps, validate(accelerator.unwrap_model(model))))
     return result
+
+
+def _accelerator(precision: str) -> Any:
+    """An `Accelerator` for this training's precision. accelerate keeps one state per process and
+    refuses a second precision in it ("restart your runtime"), but a recipe may train one variant
+    in bf16 and the next in float32 in one process: the precision part of the state is reset
+    when it differs (the processes' part, `PartialState`, stays: distributed runs keep theirs)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision", precision) != precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=precision)
 
 
 def _save(accelerator: Any, checkpoint_dir: Path, step: int, result: TrainResult) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -276,6 +277,27 @@ def test_cast_frozen_linears_rounds_frozen_linears_and_leaves_the_embedding(tied
     assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.float32
 
 
+def _built_with_and_without_the_cast(
+    module: Any, recipe_text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> list[Any]:
+    """The recipe's one variant built twice: with `module.cast_frozen_linears` as it is, then with
+    it doing nothing (autocast casting every forward); asserts each build called it once."""
+    (tmp_path / "recipe.yaml").write_text(recipe_text)
+    recipe, base = load_recipe(tmp_path / "recipe.yaml")
+    cast = module.cast_frozen_linears
+    built = []
+    for label, spy in [("cast", cast), ("autocast", lambda model: 0)]:
+        calls: list[int] = []
+        monkeypatch.setattr(
+            module, "cast_frozen_linears", lambda m, s=spy, c=calls: c.append(s(m)) or 0
+        )
+        monkeypatch.setattr("compress.distill._TEACHER_MEASURES", {})
+        (variant,) = Pipeline(recipe, base, tmp_path / label).run()
+        assert len(calls) == 1 and (calls[0] > 0) == (label == "cast")
+        built.append(variant)
+    return built
+
+
 def test_a_teacher_cast_to_bfloat16_once_trains_the_same_student_as_autocast_casting_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -284,25 +306,14 @@ def test_a_teacher_cast_to_bfloat16_once_trains_the_same_student_as_autocast_cas
     autocast rounding them on every forward."""
     import compress.distill
 
-    monkeypatch.setattr(compress.distill, "_TEACHER_MEASURES", {})
-    (tmp_path / "recipe.yaml").write_text(
+    recipe = (
         "name: c\nbase: demo-tiny\nvariants:\n  - {name: s, steps: [{distill: {layers: 1, "
         "seq_len: 32, steps: 3, batch_size: 2, eval_every: 2, mixed_precision: bf16}}]}\n"
     )
-    recipe, base = load_recipe(tmp_path / "recipe.yaml")
-    cast = compress.distill.cast_frozen_linears
-    runs = []
-    for label, spy in [("cast", cast), ("autocast", lambda model: 0)]:
-        calls: list[int] = []
-        monkeypatch.setattr(
-            compress.distill, "cast_frozen_linears", lambda m, s=spy, c=calls: c.append(s(m)) or 0
-        )
-        monkeypatch.setattr(compress.distill, "_TEACHER_MEASURES", {})
-        (built,) = Pipeline(recipe, base, tmp_path / label).run()
-        assert len(calls) == 1 and (calls[0] > 0) == (label == "cast")
-        info = built.manifest.to_json()["info"]
-        weights = AutoModelForCausalLM.from_pretrained(built.path).state_dict()
-        runs.append((info, weights))
+    runs = [
+        (b.manifest.to_json()["info"], AutoModelForCausalLM.from_pretrained(b.path).state_dict())
+        for b in _built_with_and_without_the_cast(compress.distill, recipe, tmp_path, monkeypatch)
+    ]
     (cast_info, cast_weights), (auto_info, auto_weights) = runs
     for key in ("first_loss", "final_loss", "validation_perplexity_by_step"):
         assert cast_info[key] == auto_info[key], key
@@ -327,21 +338,11 @@ def test_a_lora_base_cast_to_bfloat16_once_trains_the_same_adapter_as_autocast_c
         "mixed_precision: bf16}}"
     )
     steps = f"[{{quantize: {{method: bnb-nf4}}}}, {lora}]" if qlora else f"[{lora}]"
-    (tmp_path / "recipe.yaml").write_text(
-        f"name: l\nbase: demo-tiny\nvariants:\n  - {{name: a, steps: {steps}}}\n"
-    )
-    recipe, base = load_recipe(tmp_path / "recipe.yaml")
-    cast = compress.lora.cast_frozen_linears
-    runs = []
-    for label, spy in [("cast", cast), ("autocast", lambda model: 0)]:
-        calls: list[int] = []
-        monkeypatch.setattr(
-            compress.lora, "cast_frozen_linears", lambda m, s=spy, c=calls: c.append(s(m)) or 0
-        )
-        (built,) = Pipeline(recipe, base, tmp_path / label).run()
-        assert len(calls) == 1 and (calls[0] > 0) == (label == "cast")
-        info = built.manifest.to_json()["info"]
-        runs.append((info, load_file(built.path / "adapter_model.safetensors")))
+    recipe = f"name: l\nbase: demo-tiny\nvariants:\n  - {{name: a, steps: {steps}}}\n"
+    runs = [
+        (b.manifest.to_json()["info"], load_file(b.path / "adapter_model.safetensors"))
+        for b in _built_with_and_without_the_cast(compress.lora, recipe, tmp_path, monkeypatch)
+    ]
     (cast_info, cast_adapter), (auto_info, auto_adapter) = runs
     assert (cast_info["first_loss"], cast_info["final_loss"]) == (
         auto_info["first_loss"],
@@ -349,3 +350,19 @@ def test_a_lora_base_cast_to_bfloat16_once_trains_the_same_adapter_as_autocast_c
     )
     assert cast_adapter.keys() == auto_adapter.keys() and cast_adapter
     assert all(torch.equal(cast_adapter[k], auto_adapter[k]) for k in cast_adapter)
+
+
+def test_variants_trained_in_different_precisions_in_one_run(tmp_path: Path) -> None:
+    """accelerate keeps one state per process and refused the second variant's precision
+    ("AcceleratorState has already been initialized and cannot be changed"): a recipe training
+    one student in float32 and the next under bf16 (and back) builds all three, each in its own."""
+    variants = "".join(
+        f"  - {{name: s{i}, steps: [{{distill: {{layers: 1, seq_len: 32, steps: 1, "
+        f"batch_size: 2, lr: 0.00{i + 1}, mixed_precision: {p}}}}}]}}\n"
+        for i, p in enumerate(["'no'", "bf16", "'no'"])
+    )
+    (tmp_path / "recipe.yaml").write_text(f"name: m\nbase: demo-tiny\nvariants:\n{variants}")
+    recipe, base = load_recipe(tmp_path / "recipe.yaml")
+    built = Pipeline(recipe, base, tmp_path / "w").run()
+    precisions = [b.manifest.to_json()["info"]["mixed_precision"] for b in built]
+    assert precisions == ["no", "bf16", "no"]
