@@ -12,19 +12,13 @@ from pathlib import Path
 import pytest
 
 MODULE = Path(__file__).parents[2] / "serve" / "model" / "host_memory.py"
-PROBE = (  # the module alone: importing the serve package would load torch (seconds per case)
-    f"import importlib.util as u; s = u.spec_from_file_location('host_memory', {str(MODULE)!r}); "
-    "m = u.module_from_spec(s); s.loader.exec_module(m); "
-    "print(m.keep_freed_memory(), m.keep_freed_memory())"
-)
-
-
 LOAD = (  # the module alone: importing the serve package would load torch (seconds per case)
     "import importlib.util as u\n"
     f"s = u.spec_from_file_location('host_memory', {str(MODULE)!r})\n"
     "m = u.module_from_spec(s)\n"
     "s.loader.exec_module(m)\n"
 )
+PROBE = LOAD + "print(m.keep_freed_memory(), m.keep_freed_memory())"
 LARGE_BLOCK = """
 import ctypes
 class Info(ctypes.Structure):  # glibc's struct mallinfo2
@@ -66,11 +60,8 @@ def test_keep_freed_memory_tunes_glibc_once() -> None:
 def test_blocks_above_glibcs_largest_mmap_threshold_come_from_the_heap_too() -> None:
     """A logits tensor of 100 MiB freed and allocated again each training step must not be
     mapped afresh (and faulted in page by page) every time: no block is mmapped once tuned."""
-    probe = PROBE.replace(
-        "print(m.keep_freed_memory(), m.keep_freed_memory())", "m.keep_freed_memory()"
-    )
-    assert tuned(f"{probe}; {LARGE_BLOCK}") == "True 0"
-    untuned = tuned(f"{probe}; {LARGE_BLOCK}", WORKBENCH_KEEP_FREED_MEMORY="0").split()
+    assert tuned(LOAD + LARGE_BLOCK) == "True 0"
+    untuned = tuned(LOAD + LARGE_BLOCK, WORKBENCH_KEEP_FREED_MEMORY="0").split()
     assert untuned[0] == "False" and int(untuned[1]) >= 128 << 20
 
 
