@@ -172,6 +172,12 @@ class Evals(_Strict):
     load: LoadEval | None = None
     """Load benchmark settings; no load benchmark when absent."""
 
+    @property
+    def run_the_engine(self) -> bool:
+        """Whether measuring runs the workbench's engine: lm-eval through it, or a server."""
+        engine_lm = bool(self.quality) and self.backend == "engine"
+        return engine_lm or self.load is not None or bool(self.chat_prompts)
+
     @field_validator("quality")
     @classmethod
     def _known_tasks(cls, tasks: list[str | QualityTask]) -> list[str | QualityTask]:

@@ -67,6 +67,10 @@ def run(
     work = Path(work_dir or Path("runs") / recipe.name)
     out_dir = Path(report_dir or recipe.report.output_dir or Path("reports") / recipe.name)
     progress(f"recipe {recipe.name}: base {base.name} ({base.kind}), work dir {work}")
+    if recipe.evals.run_the_engine and is_main():  # compiled beside the builds, not before evals
+        from serve.model.kernel_builds import prebuild_engine_kernels
+
+        prebuild_engine_kernels()
     # with a divergence eval the recipe measures perplexity itself (same rows, standard errors)
     rows = recipe.evals.divergence is None
     pipeline = Pipeline(

@@ -6,10 +6,13 @@ flags, CPU) into `$WORKBENCH_CACHE_DIR/kernels` with the C compiler `$CC` (defau
 loaded (same soname), so the kernels and torch share one pool of threads. Where no compiler
 works, `build_library` returns None with the reason (`load_library`, which each kernel's loader
 calls, logs it and declares the functions' signatures), and the caller keeps its torch path.
+A process that will need kernels later (a recipe whose evals run the engine) may start their
+builds in the background (`build_in_background`); a loader meeting a build in flight waits for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -18,7 +21,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from compress.cache import cache_dir
@@ -82,18 +86,53 @@ def _compile(source: Path, compiler: str, flags: list[str], target: Path) -> Non
                 os.unlink(path)
 
 
+_BUILDING: dict[Path, threading.Lock] = {}
+_BUILDING_LOCK = threading.Lock()
+
+
+def _built(source: Path, compiler: str, flags: list[str]) -> Path:
+    """The library's path, compiled first where missing: one build per library at a time in
+    this process, so a caller finds a background build's result instead of building it twice."""
+    path = _library_path(source, compiler, flags)
+    with _BUILDING_LOCK:
+        lock = _BUILDING.setdefault(path, threading.Lock())
+    with lock:
+        if not path.exists():
+            _compile(source, compiler, flags, path)
+    return path
+
+
 def build_library(source: Path, flags: list[str]) -> tuple[ctypes.CDLL | None, str]:
     """The compiled library of `source` (built on first use) and "", or None and why not."""
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         return None, f"no C compiler {compiler!r} (set CC)"
     try:
-        path = _library_path(source, compiler, flags)
-        if not path.exists():
-            _compile(source, compiler, flags, path)
-        return ctypes.CDLL(str(path)), ""
+        return ctypes.CDLL(str(_built(source, compiler, flags))), ""
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, str(e)
+
+
+def build_in_background(kernels: Iterable[tuple[Path, list[str]]]) -> list[threading.Thread]:
+    """Start building each (source, flags) library in a thread of its own, returning the
+    threads: the compiler's first use (the engine's five kernels take about 14 s of one core)
+    overlaps the caller's work. A build that fails is left for the kernel's loader, which meets
+    the same error and logs it."""
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        return []
+
+    def build(source: Path, flags: list[str]) -> None:
+        with contextlib.suppress(OSError, RuntimeError, subprocess.SubprocessError):
+            _built(source, compiler, flags)  # on failure the loader builds again and logs why
+
+    threads = [
+        threading.Thread(target=build, args=(source, flags), name=f"build {source.name}")
+        for source, flags in kernels
+    ]
+    for thread in threads:
+        thread.start()
+    return threads
 
 
 def load_library(
