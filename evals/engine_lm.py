@@ -10,7 +10,9 @@ continuation) is one engine request over lm-eval's window: the two cut on the le
 continuation and whether each of its tokens is the most likely one. Requests that share a context
 go in waves (`sharing_waves`): one per context first, so that its blocks are cached, then the
 others, which read them from the prefix cache (hellaswag's four endings compute their context
-once), in chunks that fit the KV cache. Rolling
+once), in chunks that fit the KV cache. The cache shares whole blocks only, so a context's last
+partial block is computed again by each of its other requests: blocks of `BLOCK_SIZE` tokens keep
+that to under 4 tokens a request. Rolling
 loglikelihood splits a text into HFLM's disjoint windows and scores each the same way.
 Generation is greedy unless the task's `gen_kwargs` sample, stops at its `until` strings, and
 reads the context's last `max_length - max_gen_toks` tokens.
@@ -37,6 +39,11 @@ MAX_GEN_TOKS = 256
 LM_EVAL_EXTRAS = {"batch_size", "max_batch_size", "device"}
 """What lm-eval's CLI passes every model besides its model_args (the engine batches by itself)."""
 
+
+BLOCK_SIZE = 4
+"""KV block size for evaluation (the server's default is 16). The demo's hellaswag, piqa and
+arc_easy on SmolLM2: 28,640 tokens computed against 33,080 with blocks of 16 (13% fewer), 12% less
+time (median of three alternating rounds), the same loglikelihoods bit for bit."""
 
 WAVE_KV_SHARE = 0.8
 """The share of the KV cache one wave pair may fill (the rest: partial blocks, rounding)."""
@@ -77,7 +84,7 @@ def sharing_waves(
 class EngineLM(TemplateLM):
     """lm-eval's `workbench` model: `python -m evals.engine_lm run --model workbench
     --model_args pretrained=DIR[,dtype=float32,max_length=N,lora=ADAPTER_DIR,kv_cache=256MiB,
-    kv_cache_dtype=auto|int8,max_num_batched_tokens=N] --tasks ...` (lm-eval's own CLI with
+    kv_cache_dtype=auto|int8,max_num_batched_tokens=N,block_size=4] --tasks ...` (lm-eval's own CLI with
     this module imported, which registers the name)."""
 
     def __init__(
@@ -89,6 +96,7 @@ class EngineLM(TemplateLM):
         kv_cache: str = "256MiB",
         kv_cache_dtype: str = "auto",
         max_num_batched_tokens: int = 2048,
+        block_size: int = BLOCK_SIZE,
         add_bos_token: bool | None = None,
         **lm_eval_extras: Any,
     ) -> None:
@@ -99,13 +107,15 @@ class EngineLM(TemplateLM):
         if unknown:
             raise TypeError(
                 f"workbench model: unknown model_args {unknown}; allowed: pretrained, dtype, "
-                "max_length, lora, kv_cache, kv_cache_dtype, max_num_batched_tokens, add_bos_token"
+                "max_length, lora, kv_cache, kv_cache_dtype, max_num_batched_tokens, block_size, "
+                "add_bos_token"
             )
 
         scheduler = SchedulerConfig(max_num_batched_tokens=int(max_num_batched_tokens))
         self.llm = LLM(
             ModelConfig(str(pretrained), dtype=dtype),  # type: ignore[arg-type]
             cache=CacheConfig(
+                block_size=int(block_size),
                 kv_cache_bytes=parse_size(str(kv_cache)),
                 kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]  # checked by CacheConfig
             ),

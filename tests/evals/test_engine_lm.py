@@ -195,7 +195,8 @@ def test_contexts_are_computed_once_when_their_first_requests_overfill_the_kv_ca
     want = pair[1]._loglikelihood_tokens(requests, disable_tqdm=True)
     assert [s for s, _ in got] == pytest.approx([s for s, _ in want], abs=1e-4)
     assert [g for _, g in got] == [g for _, g in want]
-    # each context once with its first continuation (25 tokens; 16 of the context in full
-    # blocks), then 3 continuations with the context's partial block: 12 x (25 + 3 x (4 + 5))
-    # = 624, against 12 x 4 x 25 = 1,200 for whole windows
+    # each context once with its first continuation (25 tokens), then 3 continuations that read
+    # the context's first 16 tokens from the cache (4 blocks of 4; its last token is computed
+    # again: its logits score the continuation's first token): 12 x (25 + 3 x (4 + 5)) = 624,
+    # against 12 x 4 x 25 = 1,200 for whole windows
     assert sum(computed) == 12 * (25 + 3 * (4 + 5))
