@@ -4,6 +4,7 @@ and documents.
 `python -m benchmarks.lm_eval_bench [--model gemma3-270m] [--tasks hellaswag,arc_easy,piqa]
 [--limit 40] [--batch-size 16] [--max-length 512] [--rounds 2]
 [--systems hflm,continuation,engine] [--dtype float32] [--hflm-softmax-dtype float32|float64]`
+(`engine-bN`: the engine with KV blocks of N tokens, e.g. `--systems hflm,engine-b16,engine`)
 
 Model: every system scores the same seeded document subsets in `--dtype` (the recipe's quality
 settings); the systems alternate round by round and each one's median wall time is reported,
@@ -18,6 +19,7 @@ process-wide, so the baselines get it too.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from typing import Any
@@ -30,15 +32,18 @@ from compress.load_spec import load_model
 from evals.quality import TaskRequest, run_tasks
 from serve.model.host_memory import keep_freed_memory
 
+ENGINE_BLOCKS = re.compile(r"engine-b[1-9][0-9]*")
+
 
 def _system(name: str, model: Any, tokenizer: Any, model_dir: Any, args: Any) -> Any:
     from lm_eval.models.huggingface import HFLM
 
     from evals.continuation_lm import ContinuationLM
-    from evals.engine_lm import EngineLM
+    from evals.engine_lm import BLOCK_SIZE, EngineLM
 
-    if name == "engine":
-        return EngineLM(model_dir, dtype=args.dtype, max_length=args.max_length)
+    if name.startswith("engine"):
+        block = int(name[len("engine-b") :]) if name != "engine" else BLOCK_SIZE
+        return EngineLM(model_dir, dtype=args.dtype, max_length=args.max_length, block_size=block)
     if name == "continuation":
         return ContinuationLM(
             pretrained=model,
@@ -99,9 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     systems = args.systems.split(",")
-    if "hflm" not in systems or not set(systems) <= {"hflm", "continuation", "engine"}:
+    known = {"hflm", "continuation", "engine"}
+    if "hflm" not in systems or any(
+        s not in known and not ENGINE_BLOCKS.fullmatch(s) for s in systems
+    ):
         parser.error(
-            "--systems: a comma list of hflm (required: the baseline), continuation, engine"
+            "--systems: a comma list of hflm (required: the baseline), continuation, engine, "
+            "engine-bN (KV blocks of N tokens)"
         )
     keep_freed_memory()  # before any system runs: the baselines get it too
     model_dir = resolve_model(args.model)
