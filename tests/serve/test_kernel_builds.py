@@ -14,12 +14,18 @@ from serve.model.kernel_builds import engine_kernels, prebuild_engine_kernels
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler `cc` here")
 
 
+@pytest.fixture
+def sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory for kernel sources; the libraries built from them go to a cache of its own."""
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path
+
+
 @needs_cc
 def test_a_loader_meeting_a_build_in_flight_waits_for_it_instead_of_building_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    sources: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
-    source = tmp_path / "answer.c"
+    source = sources / "answer.c"
     source.write_text("int answer(void) { return 42; }\n")
     compiled: list[Path] = []
     compile_for_real = native._compile
@@ -39,11 +45,8 @@ def test_a_loader_meeting_a_build_in_flight_waits_for_it_instead_of_building_aga
 
 
 @needs_cc
-def test_a_failing_background_build_is_left_for_the_loader_to_report(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
-    source = tmp_path / "broken.c"
+def test_a_failing_background_build_is_left_for_the_loader_to_report(sources: Path) -> None:
+    source = sources / "broken.c"
     source.write_text("int broken(void) { return }\n")
     for thread in native.build_in_background([(source, ["-O2"])]):
         thread.join()
