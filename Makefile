@@ -30,7 +30,8 @@ PIN := $(VENV)/torch-pin.txt
 INSTALL = $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python --constraint $(PIN) $(1) || \
   { echo "uv could not install; installing with pip"; $(BIN)/pip install -q $(1); }
 
-$(STAMP): export DISABLE_CUDA = 1  # hqq builds no CUDA kernels
+# hqq builds no CUDA kernels (its setup compares the value with "1": no comment on that line)
+$(STAMP): export DISABLE_CUDA = 1
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip uv
