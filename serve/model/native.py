@@ -102,9 +102,13 @@ def _built(source: Path, compiler: str, flags: list[str]) -> Path:
     return path
 
 
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
 def build_library(source: Path, flags: list[str]) -> tuple[ctypes.CDLL | None, str]:
     """The compiled library of `source` (built on first use) and "", or None and why not."""
-    compiler = os.environ.get("CC", "cc")
+    compiler = _compiler()
     if shutil.which(compiler) is None:
         return None, f"no C compiler {compiler!r} (set CC)"
     try:
@@ -118,9 +122,9 @@ def build_in_background(kernels: Iterable[tuple[Path, list[str]]]) -> list[threa
     threads: the compiler's first use (the engine's five kernels take about 14 s of one core)
     overlaps the caller's work. A build that fails is left for the kernel's loader, which meets
     the same error and logs it."""
-    compiler = os.environ.get("CC", "cc")
+    compiler = _compiler()
     if shutil.which(compiler) is None:
-        return []
+        return []  # the loaders say why
 
     def build(source: Path, flags: list[str]) -> None:
         with contextlib.suppress(OSError, RuntimeError, subprocess.SubprocessError):
