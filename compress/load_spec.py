@@ -8,7 +8,11 @@ Model: a model dir is one of
   `int-quantized` (activations quantized per token) by transformers,
 - `int4-at-load`: bfloat16 weights plus `workbench_quantization.json`, quantized by torchao's
   int4 CPU tensor when loaded (it cannot be saved as safetensors); its linears then run as
-  `compress.packed.PackedLinear4`s over torchao's tensors (the same kernel for small calls),
+  `compress.packed.PackedLinear4`s over torchao's tensors (the same kernel for small calls).
+  Its own dtype is bfloat16 (`own_dtype`: what a load without a dtype gets); asked for another,
+  the model is loaded in it and takes those int4 linears (`compress.packed.transplant_int4`), so
+  its embedding, head, norms and rotary frequencies are that dtype's, and the int4 products
+  compute in bfloat16 as a packed int4 model's do,
 - `packed`: integer codes with scales and zero points (`compress.packed`) for the linears a
   calibrated method (RTN, GPTQ, AWQ, HQQ, a mixed plan) quantized, described by
   `workbench_packed.json`; loaded by building the transformers model from its config and
@@ -112,18 +116,31 @@ def log_once(logger_name: str) -> None:
         logger.addFilter(_Once())
 
 
+OWN_DTYPES: dict[Format, torch.dtype] = {"int4-at-load": torch.bfloat16}
+"""Formats stored in one float dtype that they compute in unless asked for another."""
+
+
+def own_dtype(source: str | Path) -> torch.dtype | None:
+    """The float dtype an artifact is stored and computes in when nobody asks for another
+    (int4-wo: bfloat16); None: any (float32 is the default)."""
+    path = Path(source)
+    return OWN_DTYPES.get(read_load_spec(path).format) if path.is_dir() else None
+
+
 def load_model(
     source: str | Path,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
 ) -> Any:
-    """The transformers model an artifact dir (or hub id) holds, on `device`, in eval mode."""
+    """The transformers model an artifact dir (or hub id) holds, on `device`, in eval mode, its
+    float weights and activations in `dtype` (None: the artifact's `own_dtype`, else float32)."""
     from transformers import AutoModelForCausalLM
 
     path = Path(source)
     spec = read_load_spec(path) if path.is_dir() else LoadSpec(path, "hf")
+    dtype = dtype or OWN_DTYPES.get(spec.format, torch.float32)
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if spec.format == "packed":
         from compress.packed_io import load_packed
@@ -139,8 +156,8 @@ def load_model(
         return load_dense(path, dtype, extra).to(device).eval()
     kwargs: dict[str, Any] = {"dtype": dtype, **NO_HUB_KERNELS, **extra}
     if spec.format == "int4-at-load":
-        kwargs.update(_int4_at_load(spec))
-    elif spec.format == "hf-quantized":
+        return _int4_model(path, spec, kwargs)
+    if spec.format == "hf-quantized":
         kwargs["device_map"] = str(device)
         log_once(BITSANDBYTES_MATMUL_LOGGER)
     source = str(path) if path.exists() else str(source)
@@ -149,14 +166,11 @@ def load_model(
         model.to(device)  # type: ignore[arg-type]  # transformers types its `to` wrapper oddly
     if spec.scheme == "compressed-tensors":  # W8A8 (pack-quantized went to load_dense above)
         _decompress_now(model, spec)
-    if spec.format == "int4-at-load":
-        from compress.packed import adopt_torchao_int4
-
-        adopt_torchao_int4(model)
     return model.eval()
 
 
 def _int4_at_load(spec: LoadSpec) -> dict[str, Any]:
+    """`from_pretrained` keywords that quantize the bfloat16 weights as they load (torchao)."""
     from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
     from transformers import TorchAoConfig
 
@@ -165,6 +179,22 @@ def _int4_at_load(spec: LoadSpec) -> dict[str, Any]:
         modules_to_not_convert=spec.params["skip"],
     )
     return {"quantization_config": config, "dtype": torch.bfloat16, "device_map": "cpu"}
+
+
+def _int4_model(path: Path, spec: LoadSpec, kwargs: dict[str, Any]) -> Any:
+    """The model quantized as it loads in bfloat16; in another dtype the same model is loaded
+    in it a second time and takes the int4 linears of the first."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.packed import adopt_torchao_int4, transplant_int4
+
+    quantized = AutoModelForCausalLM.from_pretrained(str(path), **{**kwargs, **_int4_at_load(spec)})
+    adopt_torchao_int4(quantized)
+    if kwargs["dtype"] == torch.bfloat16:
+        return quantized.eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    transplant_int4(quantized, model, kwargs["dtype"])
+    return model.eval()
 
 
 def _decompress_now(model: Any, spec: LoadSpec) -> None:

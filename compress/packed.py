@@ -455,3 +455,24 @@ def adopt_torchao_int4(model: nn.Module) -> int:
         model.set_submodule(name, linear)
         replaced += 1
     return replaced
+
+
+def transplant_int4(source: nn.Module, target: nn.Module, dtype: torch.dtype) -> None:
+    """Puts `source`'s int4 linears (its `PackedLinear4`s, biases cast to `dtype`) into `target`
+    in place of its modules of the same names: `target` is the same model loaded in `dtype`, so
+    everything else (embedding, head, norms, the rotary frequencies computed at init) is what a
+    load in `dtype` gives, and the products read the same codes and bfloat16 kernel scales.
+    ValueError where `source` still has a torchao int4 weight that could not be adopted: its
+    kernel needs bfloat16 activations."""
+    from torchao.prototype.quantization.int4 import Int4OpaqueTensor
+
+    for name, module in list(source.named_modules()):
+        if isinstance(getattr(module, "weight", None), Int4OpaqueTensor):
+            raise ValueError(
+                f"{name}: a torchao int4 weight whose layout this torch build cannot read back "
+                "computes in bfloat16 only; load this model in bfloat16"
+            )
+        if isinstance(module, PackedLinear4):
+            if module.bias is not None:
+                module.bias = nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)
+            target.set_submodule(name, module)

@@ -29,15 +29,16 @@ LARGE_MODEL_ROWS = 16
 SEQ_LEN = 128
 
 
-def load_for_eval(artifact: Artifact, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def load_for_eval(artifact: Artifact, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The model an artifact describes: the model itself, or an adapter on its base (PEFT);
-    float weights (and activations) in `dtype`."""
+    float weights (and activations) in `dtype` (None: the model's own, `load_spec.own_dtype`,
+    else float32: how the engine loads it by default on the CPU)."""
     if artifact.kind == "adapter":
         from peft import PeftModel
 
         assert artifact.base is not None, "an adapter artifact names its base"
         base = load_model(artifact.base, dtype=dtype)
-        return PeftModel.from_pretrained(base, artifact.path, torch_dtype=dtype).eval()
+        return PeftModel.from_pretrained(base, artifact.path, torch_dtype=base.dtype).eval()
     return load_model(artifact.path, dtype=dtype)
 
 

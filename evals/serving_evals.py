@@ -323,13 +323,17 @@ def measure_serving(
     out: Measurements,
     progress: Callable[[str], None],
 ) -> None:
-    """Load, chat answers and (on the first model variant's server) the server check: run when
-    the recipe has a load eval or chat prompts (a server answers them either way)."""
+    """Load, chat answers and (on the first server of a model variant served in float32: the
+    check's tolerance is float32's) the server check: run when the recipe has a load eval or chat
+    prompts (a server answers them either way)."""
+    from compress.load_spec import own_dtype
+
     checked = False
     twins: Twins = {}
     for session in server_sessions(results):
         check = None
-        if session.model_variant is not None and not checked:
+        served_in_float32 = own_dtype(session.model_path) is None  # the server's CPU `auto`
+        if session.model_variant is not None and served_in_float32 and not checked:
             check = _server_check(evals, session.model_variant, work_dir, force, out)
             checked = True
         for name, status in run_session(evals, session, work_dir, force, out, check, twins).items():

@@ -120,7 +120,8 @@ class ModelConfig:
     model: str
     """A local HF model dir or a hub id."""
     dtype: Dtype = "auto"
-    """Weights and KV dtype; auto: bfloat16 on CUDA, float32 on the CPU."""
+    """Weights and KV dtype; auto: the one a variant's format computes in (int4-wo: bfloat16),
+    else bfloat16 on CUDA, float32 on the CPU."""
     device: str = "auto"
     """cpu, cuda or cuda:N; auto: cuda when available."""
     attention_backend: AttentionBackend = "auto"

@@ -86,7 +86,7 @@ class LLMEngine:
         lora: LoraConfig | None = None,
     ) -> None:
         device = resolve_device(model.device)
-        dtype = resolve_dtype(model.dtype, device)
+        dtype = resolve_dtype(model.dtype, device, model.model)
         if device.type == "cpu":
             keep_freed_memory()
         self.cache_config = cache = cache or CacheConfig()

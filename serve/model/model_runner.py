@@ -15,6 +15,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from compress.artifact import check_intact
 from compress.load_spec import load_model as load_artifact
+from compress.load_spec import own_dtype
 from serve.core.config import ATTENTION_BACKENDS, CacheConfig, KVCacheDtype, ModelConfig
 from serve.core.scheduler import SchedulerOutput
 from serve.lora.layers import StepSlots, lora_step_context
@@ -78,9 +79,12 @@ def available_memory(device: torch.device) -> int | None:
         return None
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, model: str | None = None) -> torch.dtype:
+    """`auto`: the dtype `model`'s format computes in (int4-wo: bfloat16), else bfloat16 on CUDA
+    and float32 on the CPU."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        own = own_dtype(model) if model is not None else None
+        return own or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if name not in _DTYPES:
         raise ValueError(f"dtype {name!r} is not supported; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from compress.load_spec import load_model
 from serve import LLMEngine
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
-from tests.serve.conftest import generate_each, make_cases, reference_outputs
+from tests.serve.conftest import generate_each, make_cases
 from tests.serve.test_engine_exact import make_engine, run
 from workbench.pipeline import Pipeline
 from workbench.recipe import load_recipe
@@ -33,17 +33,34 @@ def quantized(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
     return {r.name: r.path for r in Pipeline(recipe, base, root / "work").run()}
 
 
-@pytest.mark.parametrize("variant", ["int8", "nf4", "int8-wo", "int4-wo"])
+@pytest.mark.parametrize(
+    ("variant", "dtype"),
+    [
+        ("int8", "float32"),
+        ("nf4", "float32"),
+        ("int8-wo", "float32"),
+        ("int4-wo", "float32"),
+        ("int4-wo", "auto"),
+    ],
+)
 def test_engine_greedy_equals_generate_on_quantized_model(
-    quantized: dict[str, Path], variant: str, monkeypatch: pytest.MonkeyPatch
+    quantized: dict[str, Path], variant: str, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """int4-wo is a bfloat16 model: token-exact where its prefill-sized calls multiply in float32
-    (the kernels' numbers up to summation order), as they do on CPUs without native bfloat16
-    products; where those are native they round the weights to bfloat16 (the next test)."""
+    """int4-wo in float32 (asked for) and in its own bfloat16 (`auto`): token-exact where its
+    prefill-sized calls multiply in float32 (the kernels' numbers up to summation order), as they
+    do on CPUs without native bfloat16 products; where those are native they round the weights
+    to bfloat16 (the next test)."""
     monkeypatch.setattr("compress.packed._native_bf16", lambda: False)
     cases = make_cases(8, seed=5, vocab=500, max_prompt=60, max_out=16)
-    expected = reference_outputs(quantized[variant], cases)
-    engine = make_engine(quantized[variant], num_blocks=64, budget=64)
+    path = quantized[variant]
+    engine = LLMEngine(
+        ModelConfig(str(path), dtype=dtype, device="cpu"),  # type: ignore[arg-type]
+        CacheConfig(block_size=16, num_blocks=64),
+        SchedulerConfig(max_num_batched_tokens=64),
+    )
+    model_dtype = engine.runner.model.dtype
+    assert model_dtype == (torch.bfloat16 if dtype == "auto" else torch.float32)
+    expected = generate_each(load_model(path, dtype=model_dtype), cases)
     outputs = run(engine, cases)
     same = sum(outputs[i] == expected[i] for i in range(len(cases)))
     assert same == len(cases), f"{variant}: {same}/{len(cases)} equal"
@@ -58,9 +75,15 @@ def test_int4_wo_in_bfloat16_products_leaves_generate_only_at_near_ties(
     a few bfloat16 steps of each other, and before it every token is the same."""
     monkeypatch.setattr("compress.packed._native_bf16", lambda: True)
     cases = make_cases(8, seed=5, vocab=500, max_prompt=60, max_out=16)
-    model = load_model(quantized["int4-wo"])
+    model = load_model(quantized["int4-wo"])  # its own bfloat16
     expected = generate_each(model, cases)
-    outputs = run(make_engine(quantized["int4-wo"], num_blocks=64, budget=64), cases)
+    engine = LLMEngine(
+        ModelConfig(str(quantized["int4-wo"]), dtype="bfloat16", device="cpu"),
+        CacheConfig(block_size=16, num_blocks=64),
+        SchedulerConfig(max_num_batched_tokens=64),
+    )
+    assert engine.runner.model.dtype == model.dtype == torch.bfloat16
+    outputs = run(engine, cases)
     margins = []
     for i, (case, want) in enumerate(zip(cases, expected, strict=True)):
         got = outputs[i]
