@@ -210,12 +210,23 @@ def _subsets(
     return out
 
 
-def _bundled_subsets(request: TaskRequest, leaves: list[TaskSource]) -> dict[str, list[int] | None]:
+def _bundled_subsets(
+    request: TaskRequest, leaves: list[TaskSource], first: int | None = None
+) -> dict[str, list[int] | None]:
     """{leaf: its subset's rows, or None for all} for a standard task read from bundled copies
-    (counted from their files, no task built); {} for any other task."""
-    if request.limit is None or not leaves or any(s.source != "bundled" for s in leaves):
+    (counted from their files, no task built): the task's seeded draw, or with `first` the
+    split's first rows (what lm-eval's `limit` scores); {} for any other task."""
+    limited = request.limit is not None or first is not None
+    if not limited or not leaves or any(s.source != "bundled" for s in leaves):
         return {}
-    return {s.task: _draw(request, standard_tasks.bundled_documents(s)) for s in leaves}
+    out: dict[str, list[int] | None] = {}
+    for s in leaves:
+        total = standard_tasks.bundled_documents(s)
+        if first is None:
+            out[s.task] = _draw(request, total)
+        else:
+            out[s.task] = None if first >= total else list(range(first))
+    return out
 
 
 def run_tasks(
@@ -238,7 +249,7 @@ def run_tasks(
         bundled: dict[str, list[int] | None] = {}  # leaf: its subset's rows (None: all)
         for t in tasks:
             found = leaves[t.name]
-            subsets = _bundled_subsets(t, found) if limit is None else {}
+            subsets = _bundled_subsets(t, found, limit)
             for where in found:
                 standard_tasks.write_task_yaml(where, Path(tmp), subsets.get(where.task))
             bundled |= subsets

@@ -163,7 +163,7 @@ def test_a_bundled_subset_split_scores_the_documents_lm_evals_samples_would(
     requests = [TaskRequest(task, limit=4, seed=7)]
     files = quality.run_tasks(_LengthLM(), None, requests, None, True)
     assert counted == []  # no task built to count its documents
-    monkeypatch.setattr(quality, "_bundled_subsets", lambda request, leaves: {})
+    monkeypatch.setattr(quality, "_bundled_subsets", lambda request, leaves, first=None: {})
     samples = quality.run_tasks(_LengthLM(), None, requests, None, True)
     assert counted == [task]
 
@@ -174,3 +174,29 @@ def test_a_bundled_subset_split_scores_the_documents_lm_evals_samples_would(
     assert len(scored(files)) == 4 and scored(files) == scored(samples)
     assert max(s["doc_id"] for s in files["samples"][task]) >= 4  # indices into the split
     assert files["results"][task] == samples["results"][task]
+
+
+@pytest.mark.parametrize("task", [*standard_tasks.STANDARD, "mmlu_anatomy"])
+def test_a_limit_over_bundled_copies_scores_the_first_documents_from_a_subset_split(
+    task: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run_tasks(limit=N)` (the server check's 8 documents a task) reads a split file of the
+    first N documents of a bundled copy: lm-eval walked every row of the split (12,501 for the
+    demo's three tasks, 1.4 s of the check's 7 s in-process, again through the server); the same
+    documents, prompts, ids and scores as lm-eval's own `limit` over the whole split."""
+    from evals import quality
+
+    requests = [TaskRequest(task, limit=None)]
+    written = quality._bundled_subsets(requests[0], quality._leaf_sources(requests[0]), 3)
+    assert list(written.values()) == [[0, 1, 2]]
+    files = quality.run_tasks(_LengthLM(), None, requests, 3, True)
+    monkeypatch.setattr(quality, "_bundled_subsets", lambda request, leaves, first=None: {})
+    whole = quality.run_tasks(_LengthLM(), None, requests, 3, True)
+
+    def scored(results: dict) -> list[tuple]:
+        keys = ("doc_id", "doc", "target", "arguments", "resps")
+        return [tuple(str(s[k]) for k in keys) for s in results["samples"][task]]
+
+    assert [s["doc_id"] for s in files["samples"][task]] == [0, 1, 2]
+    assert scored(files) == scored(whole)
+    assert files["results"][task] == whole["results"][task]
