@@ -326,13 +326,16 @@ def measure_serving(
     """Load, chat answers and (on the first server of a model variant served in float32: the
     check's tolerance is float32's) the server check: run when the recipe has a load eval or chat
     prompts (a server answers them either way)."""
-    from compress.load_spec import own_dtype
+    import torch
+
+    from serve.model.model_runner import resolve_dtype
 
     checked = False
     twins: Twins = {}
     for session in server_sessions(results):
         check = None
-        served_in_float32 = own_dtype(session.model_path) is None  # the server's CPU `auto`
+        served = resolve_dtype("auto", torch.device("cpu"), str(session.model_path))
+        served_in_float32 = served == torch.float32  # as the server resolves its `auto`
         if session.model_variant is not None and served_in_float32 and not checked:
             check = _server_check(evals, session.model_variant, work_dir, force, out)
             checked = True
