@@ -10,7 +10,7 @@ Model: a model dir is one of
   int4 CPU tensor when loaded (it cannot be saved as safetensors); its linears then run as
   `compress.packed.PackedLinear4`s over torchao's tensors (the same kernel for small calls).
   Its own dtype is bfloat16 (`own_dtype`: what a load without a dtype gets); asked for another,
-  the model is loaded in it and takes those int4 linears (`compress.packed.transplant_int4`), so
+  the model is loaded in it and takes those int4 linears (`compress.torchao_int4.transplant_int4`), so
   its embedding, head, norms and rotary frequencies are that dtype's, and the int4 products
   compute in bfloat16 as a packed int4 model's do,
 - `packed`: integer codes with scales and zero points (`compress.packed`) for the linears a
@@ -186,7 +186,7 @@ def _int4_model(path: Path, spec: LoadSpec, kwargs: dict[str, Any]) -> Any:
     in it a second time and takes the int4 linears of the first."""
     from transformers import AutoModelForCausalLM
 
-    from compress.packed import adopt_torchao_int4, transplant_int4
+    from compress.torchao_int4 import adopt_torchao_int4, transplant_int4
 
     quantized = AutoModelForCausalLM.from_pretrained(str(path), **{**kwargs, **_int4_at_load(spec)})
     adopt_torchao_int4(quantized)
