@@ -1,0 +1,146 @@
+"""How long `make demo` takes on a fresh clone, by phase and by variant.
+
+`python -m benchmarks.demo_time [--repo .] [--commit HEAD] [--target demo] [--keep DIR]
+[--cold-uv]`
+
+Model: the commit is cloned into a new directory (`--keep DIR`, else a temporary one, removed
+after) and `make <target>` runs there alone, as a new user's first run does: its own venv, an
+empty `$WORKBENCH_CACHE_DIR` (so the GGUF conversion and the kernels' build are timed) and, with
+`--cold-uv`, an empty uv cache of its own (the user's is left alone). Its output goes to
+`demo.log` in the clone. What it wrote says when each piece ended: the venv's install stamp,
+each variant's manifest (`runs/<name>/variants/*/workbench.json`), each variant's stored evals
+(`runs/<name>/evals/*/*.json`) and the report. The phases are the spans between them, in the
+order the pipeline runs them (install, variants, lm-eval and divergence, serving, report); the
+timeline lists every piece with the seconds since the piece before it. Max RSS is the largest
+of the run's processes (`getrusage` of the children, as `/usr/bin/time -v` reports it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+EVALS = {
+    "quality": "evals",
+    "divergence": "evals",
+    "server_check": "serving",
+    "answers": "serving",
+    "load": "serving",
+}
+"""Stored eval file -> the phase that writes it."""
+PHASES = ("install", "variants", "evals", "serving", "report")
+
+
+@dataclass(frozen=True)
+class Piece:
+    ended: float
+    phase: str
+    what: str
+
+
+def pieces(clone: Path, recipe_name: str) -> list[Piece]:
+    """What a finished run left behind, in the order it was written."""
+    out: list[Piece] = []
+    stamp = clone / ".venv" / ".installed"
+    if stamp.exists():
+        out.append(Piece(stamp.stat().st_mtime, "install", "venv installed"))
+    run = clone / "runs" / recipe_name
+    for manifest in (run / "variants").glob("*/workbench.json"):
+        out.append(Piece(manifest.stat().st_mtime, "variants", f"{manifest.parent.name} built"))
+    for stored in (run / "evals").glob("*/*.json"):
+        phase = EVALS.get(stored.stem)
+        if phase is not None:
+            out.append(Piece(stored.stat().st_mtime, phase, f"{stored.parent.name} {stored.stem}"))
+    report = clone / "reports" / recipe_name / "report.json"
+    if report.exists():
+        out.append(Piece(report.stat().st_mtime, "report", "report written"))
+    return sorted(out, key=lambda p: p.ended)
+
+
+def phase_spans(started: float, ended: float, found: list[Piece]) -> dict[str, float]:
+    """Seconds of each phase: from the last piece of the phases before it to its own last piece;
+    the report phase runs to the end of the run, and a run without a report ends `unfinished`
+    (the span from its last piece to its end: where it stopped)."""
+    spans: dict[str, float] = {}
+    since = started
+    for phase in PHASES:
+        times = [p.ended for p in found if p.phase == phase]
+        if not times:
+            continue
+        last = ended if phase == "report" else max(times)
+        spans[phase] = last - since
+        since = last
+    if "report" not in spans:
+        spans["unfinished"] = ended - since
+    return spans
+
+
+def clock(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes}:{rest:02d}"
+
+
+def recipe_name(clone: Path, target: str) -> str:
+    recipe = {"demo": "demo", "demo-toy": "demo-toy"}.get(target)
+    if recipe is None:
+        raise SystemExit(f"--target {target}: this script times `demo` or `demo-toy`")
+    for line in (clone / "recipes" / f"{recipe}.yaml").read_text().splitlines():
+        if line.startswith("name:"):
+            return line.split(":", 1)[1].strip()
+    raise SystemExit(f"recipes/{recipe}.yaml has no `name:` line")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--repo", default=".", help="the repository to clone")
+    ap.add_argument("--commit", default="HEAD")
+    ap.add_argument("--target", default="demo", help="the make target: demo or demo-toy")
+    ap.add_argument("--keep", type=Path, help="clone into this new directory and keep it")
+    ap.add_argument("--cold-uv", action="store_true", help="an empty uv cache for the install")
+    args = ap.parse_args(argv)
+    scratch = Path(tempfile.mkdtemp(prefix="demo-time-"))
+    clone = args.keep or scratch / "clone"
+    if clone.exists():
+        raise SystemExit(f"--keep {clone}: exists; give a new directory")
+    subprocess.run(["git", "clone", "-q", args.repo, str(clone)], check=True)
+    subprocess.run(["git", "-C", str(clone), "checkout", "-q", args.commit], check=True)
+    env = dict(os.environ, WORKBENCH_CACHE_DIR=str(scratch / "cache"))
+    if args.cold_uv:
+        env["UV_CACHE_DIR"] = str(scratch / "uv-cache")
+    name = recipe_name(clone, args.target)
+    commit = subprocess.run(
+        ["git", "-C", str(clone), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    print(f"make {args.target} on a fresh clone of {commit} in {clone} (log: demo.log there)")
+    started = time.time()
+    with open(clone / "demo.log", "w") as log:
+        rc = subprocess.run(
+            ["make", args.target], cwd=clone, env=env, stdout=log, stderr=log
+        ).returncode
+    ended = time.time()
+    rss_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6
+    found = pieces(clone, name)
+    print(f"exit {rc}, {clock(ended - started)} wall, max RSS {rss_gb:.1f} GB")
+    spans = phase_spans(started, ended, found)
+    print("  ".join(f"{phase} {clock(seconds)}" for phase, seconds in spans.items()))
+    since = started
+    for piece in found:
+        print(f"  {clock(piece.ended - started):>6}  +{piece.ended - since:6.1f} s  {piece.what}")
+        since = piece.ended
+    shutil.rmtree(scratch, ignore_errors=True)  # the cache, and the clone unless kept
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""`benchmarks.demo_time`: the phases and timeline of a finished run, read from what it wrote."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from benchmarks.demo_time import Piece, clock, phase_spans, pieces, recipe_name
+
+
+def _write(path: Path, at: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{}")
+    os.utime(path, (at, at))
+
+
+def test_a_run_reads_as_its_phases_in_pipeline_order(tmp_path: Path) -> None:
+    t0 = 1_000_000.0
+    _write(tmp_path / ".venv" / ".installed", t0 + 60)
+    run = tmp_path / "runs" / "demo"
+    _write(run / "variants" / "base" / "workbench.json", t0 + 70)
+    _write(run / "variants" / "int8" / "workbench.json", t0 + 75)
+    _write(run / "variants" / "student" / "workbench.json", t0 + 300)
+    _write(run / "evals" / "base" / "quality.json", t0 + 340)
+    _write(run / "evals" / "base" / "divergence.json", t0 + 350)
+    _write(run / "evals" / "int8" / "quality.json", t0 + 380)
+    _write(run / "evals" / "student" / "divergence.json", t0 + 420)
+    _write(run / "evals" / "base" / "server_check.json", t0 + 440)
+    _write(run / "evals" / "base" / "answers.json", t0 + 445)
+    _write(run / "evals" / "base" / "load.json", t0 + 480)
+    _write(run / "evals" / "server-base.log", t0 + 481)  # not an eval: not a piece
+    _write(run / "evals" / "base" / "notes.json", t0 + 482)  # an unknown file: not a piece
+    _write(tmp_path / "reports" / "demo" / "report.json", t0 + 490)
+
+    found = pieces(tmp_path, "demo")
+
+    assert [p.what for p in found] == [
+        "venv installed",
+        "base built",
+        "int8 built",
+        "student built",
+        "base quality",
+        "base divergence",
+        "int8 quality",
+        "student divergence",
+        "base server_check",
+        "base answers",
+        "base load",
+        "report written",
+    ]
+    spans = phase_spans(t0, t0 + 495, found)
+    assert spans == {
+        "install": 60.0,
+        "variants": 240.0,
+        "evals": 120.0,
+        "serving": 60.0,
+        "report": 15.0,
+    }
+    assert sum(spans.values()) == 495.0
+
+
+def test_a_run_that_stopped_early_has_only_the_phases_it_reached() -> None:
+    found = [Piece(110.0, "install", "venv installed"), Piece(150.0, "variants", "base built")]
+    assert phase_spans(100.0, 170.0, found) == {
+        "install": 10.0,
+        "variants": 40.0,
+        "unfinished": 20.0,
+    }
+
+
+def test_clock_reads_minutes_and_seconds() -> None:
+    assert clock(0.4) == "0:00"
+    assert clock(59.6) == "1:00"
+    assert clock(1611.0) == "26:51"
+
+
+def test_the_recipe_name_is_read_from_the_recipe_of_the_target(tmp_path: Path) -> None:
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "demo.yaml").write_text("# a comment\nname: demo\nbase: x\n")
+    assert recipe_name(tmp_path, "demo") == "demo"
+    with pytest.raises(SystemExit, match="--target test: this script times"):
+        recipe_name(tmp_path, "test")
+
+
+def test_the_repository_recipes_name_their_run_directories() -> None:
+    root = Path(__file__).resolve().parents[2]
+    assert recipe_name(root, "demo") == "demo"
+    assert recipe_name(root, "demo-toy") == "demo-toy"
