@@ -1,12 +1,14 @@
 """How long `make demo` takes on a fresh clone, by phase and by variant.
 
 `python -m benchmarks.demo_time [--repo .] [--commit HEAD] [--target demo] [--keep DIR]
-[--cold-uv]`
+[--cold-uv] [--drop VARIANT ...]`
 
 Model: the commit is cloned into a new directory (`--keep DIR`, else a temporary one, removed
 after) and `make <target>` runs there alone, as a new user's first run does: its own venv, an
 empty `$WORKBENCH_CACHE_DIR` (so the GGUF conversion and the kernels' build are timed) and, with
-`--cold-uv`, an empty uv cache of its own (the user's is left alone). Its output goes to
+`--cold-uv`, an empty uv cache of its own (the user's is left alone); `--drop` takes variants out
+of the clone's copy of the recipe first (the demo as it was before they were added: issue 25's
+15 minutes count the eight variants of 2026-12-01, `--drop student-removal`). Its output goes to
 `demo.log` in the clone. What it wrote says when each piece ended: the venv's install stamp,
 each variant's manifest (`runs/<name>/variants/*/workbench.json`), each variant's stored evals
 (`runs/<name>/evals/*/*.json`) and the report. The phases are the spans between them, in the
@@ -27,6 +29,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 EVALS = {
     "quality": "evals",
@@ -98,6 +102,30 @@ def recipe_name(clone: Path, target: str) -> str:
     raise SystemExit(f"recipes/{recipe}.yaml has no `name:` line")
 
 
+def drop_variants(recipe_path: Path, names: list[str]) -> int:
+    """Rewrites the recipe without the named variants (anchors expanded, comments dropped) and
+    validates it; returns how many variants remain. SystemExit naming the problem where a name
+    is not one of its variants or the recipe without them is not valid."""
+    from workbench.recipe import load_recipe
+    from workbench.recipe_errors import RecipeError
+
+    data = yaml.safe_load(recipe_path.read_text())
+    have = [variant["name"] for variant in data["variants"]]
+    unknown = [name for name in names if name not in have]
+    if unknown:
+        raise SystemExit(
+            f"--drop {', '.join(unknown)}: not a variant of {recipe_path.name} "
+            f"(it has {', '.join(have)})"
+        )
+    data["variants"] = [v for v in data["variants"] if v["name"] not in names]
+    recipe_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    try:
+        load_recipe(recipe_path)
+    except RecipeError as e:
+        raise SystemExit(f"--drop {', '.join(names)}: {e}") from None
+    return len(data["variants"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--repo", default=".", help="the repository to clone")
@@ -105,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="demo", help="the make target: demo or demo-toy")
     ap.add_argument("--keep", type=Path, help="clone into this new directory and keep it")
     ap.add_argument("--cold-uv", action="store_true", help="an empty uv cache for the install")
+    ap.add_argument("--drop", nargs="+", default=[], help="variants taken out of the recipe")
     args = ap.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="demo-time-"))
     clone = args.keep or scratch / "clone"
@@ -116,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cold_uv:
         env["UV_CACHE_DIR"] = str(scratch / "uv-cache")
     name = recipe_name(clone, args.target)
+    if args.drop:
+        left = drop_variants(clone / "recipes" / f"{args.target}.yaml", args.drop)
+        print(f"recipes/{args.target}.yaml without {', '.join(args.drop)}: {left} variants")
     commit = subprocess.run(
         ["git", "-C", str(clone), "rev-parse", "--short", "HEAD"],
         capture_output=True,

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 
-from benchmarks.demo_time import Piece, clock, phase_spans, pieces, recipe_name
+from benchmarks.demo_time import Piece, clock, drop_variants, phase_spans, pieces, recipe_name
+from workbench.recipe import load_recipe
 
 
 def _write(path: Path, at: float) -> None:
@@ -88,3 +91,38 @@ def test_the_repository_recipes_name_their_run_directories() -> None:
     root = Path(__file__).resolve().parents[2]
     assert recipe_name(root, "demo") == "demo"
     assert recipe_name(root, "demo-toy") == "demo-toy"
+
+
+def test_dropping_a_variant_leaves_the_others_as_the_recipe_defines_them(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    recipe = tmp_path / "demo.yaml"
+    shutil.copy(root / "recipes" / "demo.yaml", recipe)
+    before, _ = load_recipe(recipe)
+
+    assert drop_variants(recipe, ["student-removal"]) == len(before.variants) - 1
+
+    after, _ = load_recipe(recipe)
+    assert [v.name for v in after.variants] == [
+        v.name for v in before.variants if v.name != "student-removal"
+    ]
+    kept = {v.name: v for v in before.variants}
+    for variant in after.variants:  # the anchors' settings, expanded, are the same settings
+        assert variant == kept[variant.name]
+    assert after.evals == before.evals
+
+
+def test_dropping_a_name_the_recipe_lacks_names_its_variants(tmp_path: Path) -> None:
+    recipe = tmp_path / "demo.yaml"
+    recipe.write_text("name: demo\nbase: demo\nvariants:\n  - {name: base, steps: []}\n")
+    with pytest.raises(
+        SystemExit, match=re.escape("--drop studnet: not a variant of demo.yaml (it has base)")
+    ):
+        drop_variants(recipe, ["studnet"])
+    assert "studnet" not in recipe.read_text() and "base" in recipe.read_text()  # untouched
+
+
+def test_dropping_every_variant_is_refused_by_the_recipe_check(tmp_path: Path) -> None:
+    recipe = tmp_path / "demo.yaml"
+    recipe.write_text("name: demo\nbase: demo\nvariants:\n  - {name: base, steps: []}\n")
+    with pytest.raises(SystemExit, match="--drop base: "):
+        drop_variants(recipe, ["base"])
