@@ -126,6 +126,49 @@ def drop_variants(recipe_path: Path, names: list[str]) -> int:
     return len(data["variants"])
 
 
+def clone_at(repo: str, commit: str, clone: Path) -> str:
+    """`repo` cloned into `clone` at `commit`; returns the commit's short hash."""
+    subprocess.run(["git", "clone", "-q", repo, str(clone)], check=True)
+    subprocess.run(["git", "-C", str(clone), "checkout", "-q", commit], check=True)
+    return subprocess.run(
+        ["git", "-C", str(clone), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+def print_timing(rc: int, started: float, ended: float, found: list[Piece]) -> None:
+    rss_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6
+    print(f"exit {rc}, {clock(ended - started)} wall, max RSS {rss_gb:.1f} GB")
+    spans = phase_spans(started, ended, found)
+    print("  ".join(f"{phase} {clock(seconds)}" for phase, seconds in spans.items()))
+    since = started
+    for piece in found:
+        print(f"  {clock(piece.ended - started):>6}  +{piece.ended - since:6.1f} s  {piece.what}")
+        since = piece.ended
+
+
+def timed_run(args: argparse.Namespace, scratch: Path) -> int:
+    clone = args.keep or scratch / "clone"
+    commit = clone_at(args.repo, args.commit, clone)
+    name = recipe_name(clone, args.target)
+    if args.drop:
+        left = drop_variants(clone / "recipes" / f"{args.target}.yaml", args.drop)
+        print(f"recipes/{args.target}.yaml without {', '.join(args.drop)}: {left} variants")
+    env = dict(os.environ, WORKBENCH_CACHE_DIR=str(scratch / "cache"))
+    if args.cold_uv:
+        env["UV_CACHE_DIR"] = str(scratch / "uv-cache")
+    print(f"make {args.target} on a fresh clone of {commit} in {clone} (log: demo.log there)")
+    started = time.time()
+    with open(clone / "demo.log", "w") as log:
+        rc = subprocess.run(
+            ["make", args.target], cwd=clone, env=env, stdout=log, stderr=log
+        ).returncode
+    print_timing(rc, started, time.time(), pieces(clone, name))
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--repo", default=".", help="the repository to clone")
@@ -135,43 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-uv", action="store_true", help="an empty uv cache for the install")
     ap.add_argument("--drop", nargs="+", default=[], help="variants taken out of the recipe")
     args = ap.parse_args(argv)
+    if args.keep is not None and args.keep.exists():
+        raise SystemExit(f"--keep {args.keep}: exists; give a new directory")
     scratch = Path(tempfile.mkdtemp(prefix="demo-time-"))
-    clone = args.keep or scratch / "clone"
-    if clone.exists():
-        raise SystemExit(f"--keep {clone}: exists; give a new directory")
-    subprocess.run(["git", "clone", "-q", args.repo, str(clone)], check=True)
-    subprocess.run(["git", "-C", str(clone), "checkout", "-q", args.commit], check=True)
-    env = dict(os.environ, WORKBENCH_CACHE_DIR=str(scratch / "cache"))
-    if args.cold_uv:
-        env["UV_CACHE_DIR"] = str(scratch / "uv-cache")
-    name = recipe_name(clone, args.target)
-    if args.drop:
-        left = drop_variants(clone / "recipes" / f"{args.target}.yaml", args.drop)
-        print(f"recipes/{args.target}.yaml without {', '.join(args.drop)}: {left} variants")
-    commit = subprocess.run(
-        ["git", "-C", str(clone), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    print(f"make {args.target} on a fresh clone of {commit} in {clone} (log: demo.log there)")
-    started = time.time()
-    with open(clone / "demo.log", "w") as log:
-        rc = subprocess.run(
-            ["make", args.target], cwd=clone, env=env, stdout=log, stderr=log
-        ).returncode
-    ended = time.time()
-    rss_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6
-    found = pieces(clone, name)
-    print(f"exit {rc}, {clock(ended - started)} wall, max RSS {rss_gb:.1f} GB")
-    spans = phase_spans(started, ended, found)
-    print("  ".join(f"{phase} {clock(seconds)}" for phase, seconds in spans.items()))
-    since = started
-    for piece in found:
-        print(f"  {clock(piece.ended - started):>6}  +{piece.ended - since:6.1f} s  {piece.what}")
-        since = piece.ended
-    shutil.rmtree(scratch, ignore_errors=True)  # the cache, and the clone unless kept
-    return rc
+    try:
+        return timed_run(args, scratch)
+    finally:  # also on errors and interrupts
+        shutil.rmtree(scratch, ignore_errors=True)  # the caches, and the clone unless kept
 
 
 if __name__ == "__main__":

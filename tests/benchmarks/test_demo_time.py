@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from benchmarks.demo_time import Piece, clock, drop_variants, phase_spans, pieces, recipe_name
+from benchmarks.demo_time import Piece, clock, drop_variants, main, phase_spans, pieces, recipe_name
 from workbench.recipe import load_recipe
 
 
@@ -126,3 +128,34 @@ def test_dropping_every_variant_is_refused_by_the_recipe_check(tmp_path: Path) -
     recipe.write_text("name: demo\nbase: demo\nvariants:\n  - {name: base, steps: []}\n")
     with pytest.raises(SystemExit, match="--drop base: "):
         drop_variants(recipe, ["base"])
+
+
+def test_an_existing_keep_directory_is_refused_before_anything_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch_root))
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(SystemExit, match=r"--keep .*kept: exists; give a new directory"):
+        main(["--keep", str(kept)])
+    assert list(scratch_root.iterdir()) == []
+
+
+def test_a_run_that_fails_before_make_leaves_no_scratch_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "README.md").write_text("x\n")
+    subprocess.run([*git, "add", "README.md"], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch_root))
+    with pytest.raises(subprocess.CalledProcessError):
+        main(["--repo", str(repo), "--commit", "no-such-commit"])
+    assert list(scratch_root.iterdir()) == []
