@@ -41,6 +41,8 @@ EVALS = {
 }
 """Stored eval file -> the phase that writes it."""
 PHASES = ("install", "variants", "evals", "serving", "report")
+TARGETS = ("demo", "demo-toy")
+"""The make targets timed: each runs `recipes/<target>.yaml`."""
 
 
 @dataclass(frozen=True)
@@ -93,13 +95,13 @@ def clock(seconds: float) -> str:
 
 
 def recipe_name(clone: Path, target: str) -> str:
-    recipe = {"demo": "demo", "demo-toy": "demo-toy"}.get(target)
-    if recipe is None:
+    """The name (so the run directory) of the recipe `make <target>` runs."""
+    if target not in TARGETS:
         raise SystemExit(f"--target {target}: this script times `demo` or `demo-toy`")
-    for line in (clone / "recipes" / f"{recipe}.yaml").read_text().splitlines():
-        if line.startswith("name:"):
-            return line.split(":", 1)[1].strip()
-    raise SystemExit(f"recipes/{recipe}.yaml has no `name:` line")
+    name = yaml.safe_load((clone / "recipes" / f"{target}.yaml").read_text()).get("name")
+    if not name:
+        raise SystemExit(f"recipes/{target}.yaml has no `name`")
+    return str(name)
 
 
 def drop_variants(recipe_path: Path, names: list[str]) -> int:

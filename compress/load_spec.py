@@ -10,9 +10,9 @@ Model: a model dir is one of
   int4 CPU tensor when loaded (it cannot be saved as safetensors); its linears then run as
   `compress.packed.PackedLinear4`s over torchao's tensors (the same kernel for small calls).
   Its own dtype is bfloat16 (`own_dtype`: what a load without a dtype gets); asked for another,
-  the model is loaded in it and takes those int4 linears (`compress.torchao_int4.transplant_int4`), so
-  its embedding, head, norms and rotary frequencies are that dtype's, and the int4 products
-  compute in bfloat16 as a packed int4 model's do,
+  the model is loaded in it and takes those int4 linears
+  (`compress.torchao_int4.transplant_int4`), so its embedding, head, norms and rotary frequencies
+  are that dtype's, and the int4 products compute in bfloat16 as a packed int4 model's do,
 - `packed`: integer codes with scales and zero points (`compress.packed`) for the linears a
   calibrated method (RTN, GPTQ, AWQ, HQQ, a mixed plan) quantized, described by
   `workbench_packed.json`; loaded by building the transformers model from its config and
