@@ -32,14 +32,16 @@ from pathlib import Path
 
 import yaml
 
+from evals import stored
+
 EVALS = {
-    "quality": "evals",
-    "divergence": "evals",
-    "server_check": "serving",
-    "answers": "serving",
-    "load": "serving",
+    stored.QUALITY: "evals",
+    stored.DIVERGENCE: "evals",
+    stored.SERVER_CHECK: "serving",
+    stored.ANSWERS: "serving",
+    stored.LOAD: "serving",
 }
-"""Stored eval file -> the phase that writes it."""
+"""What a run keeps of each variant (`evals.stored`) -> the phase that measures it."""
 PHASES = ("install", "variants", "evals", "serving", "report")
 TARGETS = ("demo", "demo-toy")
 """The make targets timed: each runs `recipes/<target>.yaml`."""
@@ -61,10 +63,11 @@ def pieces(clone: Path, recipe_name: str) -> list[Piece]:
     run = clone / "runs" / recipe_name
     for manifest in (run / "variants").glob("*/workbench.json"):
         out.append(Piece(manifest.stat().st_mtime, "variants", f"{manifest.parent.name} built"))
-    for stored in (run / "evals").glob("*/*.json"):
-        phase = EVALS.get(stored.stem)
-        if phase is not None:
-            out.append(Piece(stored.stat().st_mtime, phase, f"{stored.parent.name} {stored.stem}"))
+    for variant in (p for p in (run / "evals").glob("*") if p.is_dir()):
+        for what, phase in EVALS.items():
+            kept = stored.result_path(run, variant.name, what)
+            if kept.exists():
+                out.append(Piece(kept.stat().st_mtime, phase, f"{variant.name} {what}"))
     report = clone / "reports" / recipe_name / "report.json"
     if report.exists():
         out.append(Piece(report.stat().st_mtime, "report", "report written"))

@@ -149,7 +149,7 @@ def _answers_key(evals: Evals, variant: VariantResult) -> str:
 
 
 def _answers_path(work_dir: Path, variant: VariantResult) -> Path:
-    return work_dir / "evals" / variant.name / "answers.json"
+    return stored.result_path(work_dir, variant.name, stored.ANSWERS)
 
 
 def _stored_answers(
@@ -178,7 +178,7 @@ def _stored(
     twin's result of this run)."""
     status = {}
     for m in session.members:
-        path = work_dir / "evals" / m.name / "load.json"
+        path = stored.result_path(work_dir, m.name, stored.LOAD)
         found = None
         if evals.load is not None and not force:
             found = stored.lookup(path, load_key(evals.load, m), LoadResult)
@@ -212,7 +212,7 @@ def _take_twin(
     if m.name in status or source == m.name or source not in out.load:
         return
     copy = out.load[source].model_copy(update={"measured_on": source})
-    stored.store(work_dir / "evals" / m.name / "load.json", load_key(evals.load, m), copy)
+    stored.store(stored.result_path(work_dir, m.name, stored.LOAD), load_key(evals.load, m), copy)
     out.load[m.name], status[m.name] = copy, f"as {source} (serving twin)"
 
 
@@ -224,7 +224,7 @@ def _measure(
     result = _sweep(url, evals.load, m.name)
     if is_adapter:  # proof that the hot-loaded adapter, not the base, ran them
         result = result.model_copy(update={"adapter_requests": adapter_requests(url, m.name)})
-    stored.store(work_dir / "evals" / m.name / "load.json", load_key(evals.load, m), result)
+    stored.store(stored.result_path(work_dir, m.name, stored.LOAD), load_key(evals.load, m), result)
     return result
 
 
@@ -295,7 +295,7 @@ def _server_check(
     key = stored.key(
         variant.manifest.hash, evals.quality_key(), evals.max_length, docs, *variant.serve.key()
     )
-    path = work_dir / "evals" / variant.name / "server_check.json"
+    path = stored.result_path(work_dir, variant.name, stored.SERVER_CHECK)
     found = None if force else stored.lookup(path, key, ServerCheck)
     if found is not None:
         out.server_check = found

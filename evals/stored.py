@@ -26,6 +26,20 @@ EVALS_VERSION = 4
 
 R = TypeVar("R", bound=Record)
 
+QUALITY, DIVERGENCE, SERVER_CHECK, ANSWERS, LOAD = (
+    "quality",
+    "divergence",
+    "server_check",
+    "answers",
+    "load",
+)
+"""What is kept for a variant: each its own file, named by `result_path`."""
+
+
+def result_path(work_dir: Path, variant: str, what: str) -> Path:
+    """Where `what` (QUALITY, DIVERGENCE, ...) of `variant` is kept in a run's work dir."""
+    return work_dir / "evals" / variant / f"{what}.json"
+
 
 def key(*parts: Any) -> str:
     text = json.dumps([EVALS_VERSION, *parts], sort_keys=True)

@@ -113,7 +113,7 @@ def quality(
     key = stored.key(
         variant.manifest.hash, evals.quality_key(), evals.max_length, "items", *variant.serve.key()
     )
-    path = work_dir / "evals" / variant.name / "quality.json"
+    path = stored.result_path(work_dir, variant.name, stored.QUALITY)
     return stored.cached(path, key, force, QualityResult, lambda: measure_quality(evals, variant))
 
 
@@ -182,7 +182,7 @@ def divergence_result(
         "windows",
         *([served] if any(served) else []),
     )
-    path = work_dir / "evals" / variant.name / "divergence.json"
+    path = stored.result_path(work_dir, variant.name, stored.DIVERGENCE)
     return stored.cached(
         path, key, force, DivergenceResult, lambda: measure_divergence(evals, variant, reference)
     )
