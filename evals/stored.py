@@ -15,16 +15,17 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
-from compress.record import Record
+if TYPE_CHECKING:  # only named in types: importing compress loads torch and every step
+    from compress.record import Record
 
 EVALS_VERSION = 4
 """Bump when what a measurement computes changes, so stale results are not reused."""
 
-R = TypeVar("R", bound=Record)
+R = TypeVar("R", bound="Record")
 
 QUALITY, DIVERGENCE, SERVER_CHECK, ANSWERS, LOAD = (
     "quality",
