@@ -34,8 +34,11 @@ class GraphedDecodes:
         attention: AttentionBackend,
         backend: GraphBackend,
         max_num_seqs: int,
+        lora: bool = False,
     ) -> None:
-        """Capture every bucket's graph now (raises ValueError naming why it cannot)."""
+        """Capture every bucket's graph now (raises ValueError naming why it cannot); `lora`:
+        the model's linears are LoRA layers, which the graphs run per row through
+        `row_slots`, so steps mixing adapters replay too."""
         if why := why_not_graphable(model, attention.static_decodes):
             raise ValueError(f"decode graphs cannot serve this model: {why}; use --enforce-eager")
         self.buffers, self.kv_caches, self.attention = buffers, kv_caches, attention
@@ -45,6 +48,10 @@ class GraphedDecodes:
         width = model.config.get_text_config().hidden_size
         self.hidden = torch.zeros(largest, width, dtype=model.dtype, device=buffers.device)
         """The graphs' static output: final hidden states of the bucket's rows."""
+        self.row_slots = (
+            torch.zeros(largest, dtype=torch.long, device=buffers.device) if lora else None
+        )
+        """Each row's adapter slot (0: none), written before each replay."""
         self.meta = {b: self._metadata(b) for b in self.graphs.buckets}
         buffers.pad_decodes(0, largest)  # warm-ups and captures read only the null block
         with torch.inference_mode():
@@ -81,7 +88,8 @@ class GraphedDecodes:
         static hidden states (device work only: a replay repeats nothing else)."""
         ids = self.buffers.view("input_ids", bucket)[None]
         positions = self.buffers.view("positions", bucket)[None]
-        with step_context(self.meta[bucket]), lora_step_context(None):
+        slots = None if self.row_slots is None else StepSlots(row_slots=self.row_slots[:bucket])
+        with step_context(self.meta[bucket]), lora_step_context(slots):
             out = self.decoder(input_ids=ids, position_ids=positions, use_cache=False)
         self.hidden[:bucket].copy_(out.last_hidden_state[0])
 
@@ -90,7 +98,7 @@ class GraphedDecodes:
         meta, reason = inputs.meta, None
         if meta.prefills:
             reason = "prefill"
-        elif lora is not None and lora.groups:
+        elif lora is not None and lora.groups and self.row_slots is None:
             reason = "lora"
         bucket = self.graphs.bucket_for(meta.num_decodes)
         if reason is None and bucket is None:
@@ -100,11 +108,15 @@ class GraphedDecodes:
             return None
         return bucket
 
-    def run(self, inputs: StepInputs, bucket: int) -> torch.Tensor:
-        """Replay `bucket`'s graph over the step's decodes, the rest padding; float32 logits
-        at the step's `logits_rows`."""
+    def run(self, inputs: StepInputs, bucket: int, lora: StepSlots | None) -> torch.Tensor:
+        """Replay `bucket`'s graph over the step's decodes, the rest padding (slot 0), each row
+        through its adapter's slot; float32 logits at the step's `logits_rows`."""
         n = inputs.meta.num_decodes
         self.buffers.pad_decodes(n, bucket)
+        if self.row_slots is not None:
+            self.row_slots[:bucket].zero_()
+            for slot, rows in lora.groups if lora is not None else []:
+                self.row_slots.index_fill_(0, rows, slot)
         self.graphs.replay(bucket)
         hidden = self.hidden[:n]
         if len(inputs.logits_rows) != n:

@@ -91,7 +91,7 @@ class DecodeGraphs:
         self.graph_steps = 0
         """Steps replayed from a graph."""
         self.eager_steps: Counter[str] = Counter()
-        """Steps run eagerly, by reason (`prefill`, `batch_size`, `lora`)."""
+        """Steps run eagerly, by reason (`prefill`, `batch_size`; `lora` where the graphs were captured without LoRA layers)."""
 
     def capture(self, body: Callable[[int], None]) -> None:
         """Warm up and capture `body(bucket)` for every bucket, largest first, in one pool."""

@@ -252,7 +252,13 @@ class ModelRunner:
                 "use --enforce-eager or drop --compile"
             )
         self.graphs = GraphedDecodes(
-            self.model, self.buffers, self.kv_caches, self.backend, backend, max_num_seqs
+            self.model,
+            self.buffers,
+            self.kv_caches,
+            self.backend,
+            backend,
+            max_num_seqs,
+            lora=self.adapters is not None,
         )
 
     @torch.inference_mode()
@@ -260,7 +266,7 @@ class ModelRunner:
         """Float32 logits at `inputs.logits_rows`: [len(logits_rows), vocab]; the attention
         metadata and the step's adapters travel in the step's forward contexts."""
         if self.graphs is not None and (bucket := self.graphs.bucket(inputs, lora)) is not None:
-            return self.graphs.run(inputs, bucket)
+            return self.graphs.run(inputs, bucket, lora)
         rows: torch.Tensor | int = inputs.logits_rows
         if self.compiled is None and len(inputs.logits_rows) == len(inputs.input_ids):
             rows = 0  # every row, ascending (a decode-only step): a view, not a gather

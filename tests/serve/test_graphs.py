@@ -179,3 +179,48 @@ def test_sdpa_decodes_cannot_be_captured_and_say_so(model_dirs: dict[str, Path])
     engine = make_engine(model_dirs["llama"], "sdpa", graphs=False)
     with pytest.raises(ValueError, match=r"builds decode metadata per step.*--enforce-eager"):
         engine.runner.enable_graphs(ReplayGraphBackend(), 4)
+
+
+@pytest.fixture(scope="module")
+def two_adapters(
+    model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    from tests.serve.test_lora_engine import ADAPTERS, make_adapter
+
+    root = tmp_path_factory.mktemp("graph-adapters")
+    names = ["qv4", "all8-rs"]
+    return {
+        n: make_adapter(model_dirs["llama"], root / n, i, **ADAPTERS[n])
+        for i, n in enumerate(names)
+    }
+
+
+def test_mixed_adapter_decodes_replay_graphs_token_equal_to_eager_across_a_hot_swap(
+    model_dirs: dict[str, Path], two_adapters: dict[str, Path]
+) -> None:
+    """Requests on two adapters and on the base decode together from the graphs (rows gather
+    their slot's A and B); an adapter loaded mid-flight takes a slot the graphs already read."""
+    from tests.serve.test_lora_engine import lora_engine
+
+    def run(graphs: bool) -> tuple[dict[str, list[int]], dict[str, int]]:
+        engine = lora_engine(model_dirs["llama"], max_loras=3)
+        if graphs:
+            engine.runner.enable_graphs(ReplayGraphBackend(), 8)
+        v = {n: engine.load_lora(n, str(p)) for n, p in two_adapters.items()}
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        for i, version in enumerate([None, v["qv4"], v["all8-rs"], v["qv4"]]):
+            engine.add_request(f"r{i}", [11 + i, 40, 41, 42 + i], params, adapter_id=version)
+        done: dict[str, list[int]] = {}
+        for step in range(40):
+            if step == 3:  # a new version of qv4's weights under another name, mid-flight
+                late = engine.load_lora("late", str(two_adapters["all8-rs"]))
+                engine.add_request("late", [12, 40, 41], params, adapter_id=late)
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+            if not engine.has_unfinished_requests():
+                break
+        return done, dict(engine.stats().decode_paths)
+
+    eager, _ = run(graphs=False)
+    replayed, paths = run(graphs=True)
+    assert replayed == eager and len(eager) == 5
+    assert paths["graph"] >= 8 and "eager:lora" not in paths
