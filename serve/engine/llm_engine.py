@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from serve.core.scheduler import Scheduler, SchedulerOutput
 from serve.core.stats import EngineStats
 from serve.engine.generation_defaults import GenerationDefaults
 from serve.engine.output_processor import RequestOutput, RequestState
+from serve.engine.overlap import OverlappedSteps, StepResult
 from serve.lora.adapter import Adapter
 from serve.lora.manager import LoraConfig
 from serve.model.bnb_linear import replace_bnb_linears
@@ -122,6 +124,8 @@ class LLMEngine:
             sorted(self.eos_token_ids),
             overlap=self.runner.device.type != "cpu",
         )
+        self._overlap = OverlappedSteps(self) if scheduler.async_scheduling else None
+        """Async scheduling's step in flight and its worker; None: steps run one by one."""
         self._states: dict[str, RequestState] = {}
         self.progress: dict[str, int] = {}
         """Output tokens of every request that got one in the last step."""
@@ -219,9 +223,15 @@ class LLMEngine:
         self.grammars.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        in_flight = self._overlap is not None and self._overlap.in_flight is not None
+        return self.scheduler.has_unfinished() or in_flight
 
     def step(self) -> list[RequestOutput]:
+        """One step; with async scheduling, the outputs of the step before it."""
+        return self._overlap.step() if self._overlap is not None else self.step_sync()
+
+    def step_sync(self) -> list[RequestOutput]:
+        """Schedule, compute and apply one step (nothing may be in flight)."""
         clock = _Clock(self.timings)
         out = self.scheduler.schedule()
         clock.lap("schedule")
@@ -262,12 +272,12 @@ class LLMEngine:
         self, inputs: StepInputs, logits: torch.Tensor, masks: Bitmasks | None
     ) -> dict[str, int]:
         """Sample for every request whose chunk reached its end and that wants a token."""
-        ids = [r for r in inputs.sample_rows if self._wants_token(r)]
+        ids = [r for r in inputs.sample_rows if self.wants_token(r)]
         if not ids:
             return {}
         requests = [self.scheduler.requests[r] for r in ids]
         rows = [inputs.sample_rows[r] for r in ids]
-        sample_inputs = [self._sample_input(r) for r in requests]
+        sample_inputs = [self.sample_input(r) for r in requests]
         allowed = masks.aligned(ids) if masks is not None else None
         sampled = self.sampler.sample(select_rows(logits, rows), sample_inputs, allowed)
         tokens = {r: s.token_id for r, s in zip(ids, sampled)}
@@ -289,7 +299,7 @@ class LLMEngine:
                 request.logprobs.append(s.logprobs)
         return tokens
 
-    def _sample_input(self, request: Request) -> SampleInput:
+    def sample_input(self, request: Request) -> SampleInput:
         params = request.sampling_params
         constrained = request.request_id in self.grammars.matchers
         if not params.processes_row:  # at most a grammar's mask, read from the step's bitmasks
@@ -358,8 +368,25 @@ class LLMEngine:
             raise InvalidRequest("this engine was started without LoRA support")
         return self.adapters.unload(name, self.adapters_in_use())
 
-    def _wants_token(self, request_id: str) -> bool:
+    def wants_token(self, request_id: str) -> bool:
         return self.scheduler.requests[request_id].sampling_params.max_tokens > 0
+
+    def land(self, out: SchedulerOutput, result: Future[StepResult]) -> list[RequestOutput]:
+        """Apply a step computed on async scheduling's worker: its tokens, one step late (the
+        chunks of requests that ended since are dropped); its failure as `StepFailed`."""
+        try:
+            sampled = result.result()
+        except Exception as e:
+            raise self._fail(out, e) from e
+        requests = {
+            c.request_id: r for c in out.chunks if (r := self.scheduler.requests.get(c.request_id))
+        }
+        tokens = {r: s.token_id for r, s in sampled.items() if r in requests}
+        for request_id in tokens:
+            if (logprobs := sampled[request_id].logprobs) is not None:
+                requests[request_id].logprobs.append(logprobs)
+        finished = self.scheduler.update(out, tokens, advanced=True)
+        return self._outputs(requests, tokens, finished)
 
     def _outputs(
         self, requests: dict[str, Request], tokens: dict[str, int], finished: list[Request]
