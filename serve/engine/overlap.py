@@ -20,6 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import torch
+
 from serve.core.request import Request
 from serve.core.scheduler import SchedulerOutput
 from serve.model.sampler import Sampled, SampleInput, select_rows
@@ -62,7 +64,10 @@ class OverlappedSteps:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="workbench-step")
+        device = engine.runner.device
+        # the worker computes on the engine's device (a thread's current CUDA device is its own)
+        start = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self.worker = ThreadPoolExecutor(1, "workbench-step", initializer=start)
         self.in_flight: InFlight | None = None
 
     def step(self) -> list[RequestOutput]:

@@ -42,6 +42,10 @@ class MockBackend:
         self.calls.append(("new_pool", 0))
         return object()
 
+    def warm_up(self, body: Callable[[], None]) -> None:
+        self.calls.append(("warm_up", len(self.pools)))
+        body()
+
     def capture(self, body: Callable[[], None], pool: Any) -> Any:
         self.pools.append(pool)
         self.calls.append(("capture", len(self.pools)))
@@ -63,7 +67,7 @@ def test_capture_warms_up_each_bucket_then_captures_largest_first_in_one_pool() 
     graphs.capture(lambda bucket: calls.append(("body", bucket)))
     expected = [("new_pool", 0)]
     for i, bucket in enumerate([16, 8, 4, 2, 1]):
-        expected += [("body", bucket), ("capture", i + 1)]
+        expected += [("warm_up", i), ("body", bucket), ("capture", i + 1)]
     assert calls == expected
     assert len(set(map(id, backend.pools))) == 1 and len(backend.pools) == 5
     calls.clear()
