@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig, with_model_limit
 from serve.core.kv_cache_manager import cdiv
@@ -30,24 +30,13 @@ from serve.core.sampling_params import SamplingParams
 from serve.core.scheduler import Scheduler, SchedulerOutput
 from serve.core.stats import EngineStats
 from serve.engine.generation_defaults import GenerationDefaults
+from serve.engine.loader import load_for_serving
 from serve.engine.output_processor import RequestOutput, RequestState
 from serve.engine.overlap import OverlappedSteps, StepResult
 from serve.lora.adapter import Adapter
 from serve.lora.manager import LoraConfig
-from serve.model.bnb_linear import replace_bnb_linears
-from serve.model.compilation import why_not_compilable
-from serve.model.cpu_linear import prepack_linears
-from serve.model.fused_layers import fuse_decoder_layers
 from serve.model.grammar import Bitmasks, GrammarBackend, GrammarError
-from serve.model.host_memory import keep_freed_memory
-from serve.model.model_runner import (
-    ModelRunner,
-    RunnerOptions,
-    load_model,
-    position_limit,
-    resolve_device,
-    resolve_dtype,
-)
+from serve.model.model_runner import ModelRunner, RunnerOptions, position_limit
 from serve.model.sampler import SampleInput, Sampler, logprobs_of, select_rows
 from serve.model.step_inputs import StepInputs
 
@@ -88,29 +77,15 @@ class LLMEngine:
         loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None,
         lora: LoraConfig | None = None,
     ) -> None:
-        device = resolve_device(model.device)
-        dtype = resolve_dtype(model.dtype, device, model.model)
-        if device.type == "cpu":
-            keep_freed_memory()
         self.cache_config = cache = cache or CacheConfig()
-        hf_model, self.tokenizer = loaded or (
-            load_model(model, device, dtype),
-            AutoTokenizer.from_pretrained(model.model),
-        )
+        ready = load_for_serving(model, loaded, lora is not None)
+        hf_model, self.tokenizer, self.vocab_size = ready.model, ready.tokenizer, ready.vocab_size
         self.scheduler_config = scheduler = with_model_limit(
             scheduler or SchedulerConfig(), position_limit(hf_model)
         )
-        self.vocab_size = hf_model.get_output_embeddings().out_features
-        if model.prepack_linears and device.type == "cpu":
-            prepack_linears(hf_model, merge_groups=model.merge_projections)
-            replace_bnb_linears(hf_model)
-        if model.fuse_layers and not model.compile:  # CPU models only: why_not_fusable
-            fuse_decoder_layers(hf_model)
-        if model.compile and (why_not := why_not_compilable(hf_model, lora is not None)):
-            raise ValueError(f"--compile cannot be used here: {why_not}; drop --compile")
         graphs = not (model.enforce_eager or model.compile)
         options = RunnerOptions(model.attention_backend, model.compile, lora, graphs)
-        self.runner = ModelRunner(hf_model, cache, scheduler, device, options)
+        self.runner = ModelRunner(hf_model, cache, scheduler, ready.device, options)
         self.adapters = self.runner.adapters
         max_loras = lora.max_loras if lora else None
         self.scheduler = Scheduler(scheduler, self.runner.num_blocks, cache.block_size, max_loras)
