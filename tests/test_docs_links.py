@@ -99,3 +99,26 @@ def test_readme_stays_short() -> None:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_docs_page_over_40_kb(page: Path) -> None:
     assert page.stat().st_size <= 40 * 1024
+
+
+def mapped_paths(files_md: Path) -> list[tuple[str, str]]:
+    """(folder, path) for every path the file map's tables name, in the folder its section sets."""
+    folder, out = "", []
+    for line in files_md.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            folder = ""
+        if m := re.match(r"In `([^`]+/)`:$", line):
+            folder = m.group(1)
+        if line.startswith("| `"):
+            first_cell = line.split(" | ")[0]
+            out += [(folder, p) for p in re.findall(r"`([^`]+)`", first_cell)]
+    return out
+
+
+def test_every_path_the_file_map_names_exists() -> None:
+    missing = [
+        f"{folder}{path}"
+        for folder, path in mapped_paths(ROOT / "docs" / "files.md")
+        if not any((ROOT / base).glob(path) for base in (folder, ""))
+    ]
+    assert missing == []
