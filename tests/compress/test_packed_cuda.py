@@ -1,0 +1,231 @@
+"""int4 and int8 packed weights on CUDA: tinygemm's operand layout and scales written as plain
+tensor code (checked on the CPU against an emulation of the kernel's reads and arithmetic), and
+on a GPU the real kernels against the dequantized weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compress.grids import hqq, rtn
+from compress.packed import (
+    PackedEmbedding4,
+    PackedFormat,
+    PackedLinear4,
+    PackedLinear8,
+    Quantized,
+    packed_module,
+)
+from compress.packed_cuda import (
+    TinygemmLinear4,
+    inner_k_tiles,
+    kernel_scales_and_zeros,
+    tinygemm_layout,
+    tinygemm_rows,
+)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _codes_as_tinygemm_reads_them(packed: torch.Tensor) -> torch.Tensor:
+    """The [rows, k] codes tinygemm's B loader sees (`BLayout_TC_int4::load` then the
+    m16n8k16 B fragment): lane t of a row tile is column t // 4 of the tile; each of its words
+    unpacks into four 32-bit registers h[0..3] (nibbles i and i + 4: the low and the high
+    bfloat16), h[0], h[1] feeding k tile 2j and h[2], h[3] tile 2j + 1; register h[i] holds k
+    rows 2 * (t % 4) + 8 * (i % 2) and the next one."""
+    tiles, outer, lanes, half_tiles = packed.shape
+    inner = 2 * half_tiles
+    codes = torch.empty(tiles * 8, outer * inner * 16, dtype=torch.uint8)
+    words = packed.long()
+    for t in range(lanes):
+        for j in range(half_tiles):
+            for i in range(4):
+                tile = torch.arange(outer) * inner + 2 * j + i // 2
+                k = tile * 16 + 2 * (t % 4) + 8 * (i % 2)
+                for half in (0, 1):  # the register's low, then high bfloat16
+                    nibble = (words[:, :, t, j] >> (4 * i + 16 * half)) & 0xF
+                    codes[torch.arange(tiles)[:, None] * 8 + t // 4, k[None, :] + half] = nibble.to(
+                        torch.uint8
+                    )
+    return codes
+
+
+def _tinygemm_emulated(
+    x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor
+) -> torch.Tensor:
+    """tinygemm's product as its kernel computes it: bfloat16 x, each weight `(q - 8) * s + m`
+    one bfloat16 fused multiply-add of its group's bfloat16 scale and offset, float32 sums,
+    a bfloat16 output [m, padded rows]."""
+    q = _codes_as_tinygemm_reads_them(packed).float() - 8
+    s = sz[..., 0].t().float().repeat_interleave(group, dim=1)
+    m = sz[..., 1].t().float().repeat_interleave(group, dim=1)
+    w = (q * s + m).bfloat16().float()
+    return (x.bfloat16().float() @ w.t()).bfloat16()
+
+
+@pytest.mark.parametrize("k", [32, 64, 96, 128, 384])
+def test_the_layout_is_the_codes_as_tinygemm_reads_them(k: int) -> None:
+    """Every inner_k_tiles (8 where 128 divides k, 4 at 64, 2 at 32), a short last row tile."""
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (21, k), dtype=torch.uint8)
+    packed = tinygemm_layout(codes)
+    tiles = inner_k_tiles(k)
+    assert tiles == (8 if k % 128 == 0 else 4 if k % 64 == 0 else 2)
+    assert packed.dtype == torch.int32 and packed.shape == (3, k // (16 * tiles), 32, tiles // 2)
+    read = _codes_as_tinygemm_reads_them(packed)
+    assert torch.equal(read[:21], codes)
+    assert bool((read[21:] == 8).all())  # padded rows: a zero weight whatever the scale
+
+
+def test_rows_read_back_from_the_layout() -> None:
+    torch.manual_seed(1)
+    codes = torch.randint(0, 16, (37, 256), dtype=torch.uint8)
+    rows = torch.tensor([0, 7, 8, 36, 5, 5, 15, 16])
+    assert torch.equal(tinygemm_rows(tinygemm_layout(codes), rows, 256), codes[rows])
+
+
+def test_a_large_weight_is_laid_out_in_slices_of_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(2)
+    codes = torch.randint(0, 16, (70, 128), dtype=torch.uint8)
+    whole = tinygemm_layout(codes)
+    monkeypatch.setattr("compress.packed_cuda.LAYOUT_ROWS", 16)
+    assert torch.equal(tinygemm_layout(codes), whole)
+
+
+def test_scales_and_zeros_turn_our_zero_points_into_tinygemms_offsets() -> None:
+    """(q - z) * s == (q - 8) * s + (8 - z) * s; padded rows get zero scales and offsets."""
+    scales = torch.tensor([[0.5, 0.25], [2.0, 1.0]])
+    zeros = torch.tensor([[3.0, 8.0], [0.5, 15.0]])
+    sz = kernel_scales_and_zeros(scales, zeros, rows=8)
+    assert sz.dtype == torch.bfloat16 and sz.shape == (2, 8, 2)
+    assert torch.equal(sz[..., 0].t()[:2].float(), scales)
+    assert torch.equal(sz[..., 1].t()[:2].float(), torch.tensor([[2.5, 0.0], [15.0, -7.0]]))
+    assert not sz[:, 2:].any()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+@pytest.mark.parametrize("quantize", [rtn, hqq], ids=["rtn", "hqq"])
+def test_the_emulated_kernel_equals_the_dequantized_matmul(group: int, quantize) -> None:
+    """Our conversion through tinygemm's formula: the dequantized reference to bfloat16
+    rounding (activations, scales and offsets, weights and output rounded to bfloat16)."""
+    torch.manual_seed(3)
+    weight = torch.randn(44, 512)  # 44 rows: a padded last tile
+    qw = quantize(weight, PackedFormat(4, group))
+    x = torch.randn(5, 512)
+    y = _tinygemm_emulated(
+        x, tinygemm_layout(qw.q), group, kernel_scales_and_zeros(qw.scales, qw.zeros, 48)
+    )
+    reference = x @ qw.dequantize().t()
+    torch.testing.assert_close(y[:, :44].float(), reference, rtol=2e-2, atol=0.25)
+    assert not y[:, 44:].any()
+
+
+def _as_cuda_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`packed_module` as on a GPU that runs tinygemm, the kernel emulated on the CPU."""
+    monkeypatch.setattr("compress.packed.tinygemm_runs", lambda device: True)
+    monkeypatch.setattr("compress.packed_cuda.int4pack_mm", _tinygemm_emulated)
+
+
+def test_a_packed_int4_module_on_a_tinygemm_gpu_is_the_dequantized_matmul(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The module (rows padded and dropped, bias, the model's dtype in and out) over the
+    emulated kernel."""
+    _as_cuda_module(monkeypatch)
+    torch.manual_seed(4)
+    qw = rtn(torch.randn(44, 256), PackedFormat(4, 64))
+    bias = torch.randn(44)
+    module = packed_module(PackedFormat(4, 64), qw, bias, torch.float32)
+    assert isinstance(module, TinygemmLinear4)
+    x = torch.randn(2, 3, 256)
+    y = module(x)
+    assert y.shape == (2, 3, 44) and y.dtype == torch.float32
+    torch.testing.assert_close(y, x @ qw.dequantize().t() + bias, rtol=2e-2, atol=0.25)
+
+
+def test_an_int4_embedding_on_a_tinygemm_gpu_reads_rows_from_the_heads_operand(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One copy of the codes: the lookup reads them back from tinygemm's layout, with the
+    kernel's bfloat16 scales and offsets."""
+    _as_cuda_module(monkeypatch)
+    torch.manual_seed(5)
+    qw = rtn(torch.randn(40, 128), PackedFormat(4, 32))
+    embedding = PackedEmbedding4(qw, torch.float32, None)
+    assert isinstance(embedding.linear, TinygemmLinear4)
+    s = qw.scales.bfloat16().float().repeat_interleave(32, dim=1)
+    m = ((8 - qw.zeros) * qw.scales).bfloat16().float().repeat_interleave(32, dim=1)
+    rows = (qw.q.float() - 8) * s + m
+    ids = torch.tensor([[0, 39, 8], [7, 7, 16]])
+    torch.testing.assert_close(embedding(ids), rows[ids])
+
+
+def _on_cuda(qw: Quantized) -> Quantized:
+    return Quantized(qw.q.cuda(), qw.scales.cuda(), qw.zeros.cuda())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_layout_equals_torchs_own_cuda_conversion() -> None:
+    """Byte for byte what `_convert_weight_to_int4pack` makes of the codes (its input: two
+    codes a byte, the even column in the high nibble)."""
+    torch.manual_seed(6)
+    for k in (128, 192, 1024):
+        codes = torch.randint(0, 16, (40, k), dtype=torch.uint8).cuda()
+        pairs = (codes[:, 0::2] << 4 | codes[:, 1::2]).contiguous()
+        torchs = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles(k))
+        assert torch.equal(tinygemm_layout(codes), torchs), k
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+@pytest.mark.parametrize("quantize", [rtn, hqq], ids=["rtn", "hqq"])
+def test_tinygemm_on_cuda_equals_the_emulation_and_the_dequantized_matmul(
+    group: int, quantize
+) -> None:
+    torch.manual_seed(7)
+    qw = quantize(torch.randn(264, 1024), PackedFormat(4, group))
+    module = packed_module(PackedFormat(4, group), _on_cuda(qw), None, torch.bfloat16)
+    assert isinstance(module, TinygemmLinear4)
+    for m in (1, 16, 64, 300):
+        x = torch.randn(m, 1024)
+        y = module(x.cuda().bfloat16()).float().cpu()
+        emulated = _tinygemm_emulated(x, module.packed.cpu(), group, module.scales_and_zeros.cpu())
+        torch.testing.assert_close(y, emulated[:, :264].float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(y, x @ qw.dequantize().t(), rtol=2e-2, atol=0.5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_int8_on_cuda_runs_the_kernel_for_decode_sized_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(8)
+    qw = rtn(torch.randn(96, 512), PackedFormat(8, None))
+    module = packed_module(PackedFormat(8, None), _on_cuda(qw), None, torch.bfloat16)
+    assert isinstance(module, PackedLinear8) and module.cuda_kernel
+    calls: list[int] = []
+    op = torch.ops.aten._weight_int8pack_mm
+    monkeypatch.setattr(
+        "torch.ops.aten._weight_int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or op(*a)
+    )
+    reference = None
+    for m in (1, 16, 64):
+        x = torch.randn(m, 512)
+        reference = x @ qw.dequantize().t()
+        y = module(x.cuda().bfloat16()).float().cpu()
+        torch.testing.assert_close(y, reference, rtol=2e-2, atol=0.25)
+    assert calls == [1, 16]  # 64 rows: the dequantized product
+    assert reference is not None
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_gpu_without_tinygemm_keeps_the_dequantized_product(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("compress.packed.tinygemm_runs", lambda device: False)
+    qw = rtn(torch.randn(48, 256), PackedFormat(4, 64))
+    module = packed_module(PackedFormat(4, 64), _on_cuda(qw), None, torch.float32)
+    assert isinstance(module, PackedLinear4) and not module.kernel
