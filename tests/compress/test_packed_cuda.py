@@ -4,6 +4,8 @@ on a GPU the real kernels against the dequantized weight."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -229,3 +231,87 @@ def test_a_gpu_without_tinygemm_keeps_the_dequantized_product(
     qw = rtn(torch.randn(48, 256), PackedFormat(4, 64))
     module = packed_module(PackedFormat(4, 64), _on_cuda(qw), None, torch.float32)
     assert isinstance(module, PackedLinear4) and not module.kernel
+
+
+def _mixed_artifact(base: Path, out: Path) -> Path:
+    """A packed artifact of the tiny demo model as a mixed plan writes one: attention in int4
+    (groups of 32), the MLP in int8 per channel, the embedding (and its tied head) int4."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.packed_io import PackedModel, save_packed
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    modules = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            fmt = PackedFormat(4, 32) if ".self_attn." in name else PackedFormat(8, None)
+            modules[name] = (fmt, rtn(module.weight.detach(), fmt))
+    embedding = rtn(model.get_input_embeddings().weight.detach(), PackedFormat(4, 32))
+    out.mkdir()
+    save_packed(PackedModel(model, modules, (PackedFormat(4, 32), embedding)), out, {})
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return out
+
+
+def test_a_packed_artifact_loads_onto_tinygemm_and_gives_the_cpu_kernels_logits(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`load_model` of a mixed packed artifact where tinygemm runs (emulated here): every int4
+    linear and the tied head become tinygemm modules reading one copy of the codes, and the
+    logits are the CPU kernels' to bfloat16 rounding (measured: 0.6% of the largest logit
+    at most)."""
+    from compress.load_spec import load_model
+
+    path = _mixed_artifact(tiny_model_dir, tmp_path / "mixed")
+    ids = torch.tensor([[5, 17, 400, 9, 300, 11, 12]])
+    with torch.no_grad():
+        expected = load_model(path, dtype=torch.bfloat16)(ids).logits.float()
+        _as_cuda_module(monkeypatch)
+        model = load_model(path, dtype=torch.bfloat16)
+        got = model(ids).logits.float()
+    tinygemm = [n for n, m in model.named_modules() if isinstance(m, TinygemmLinear4)]
+    assert len(tinygemm) == 2 * 4 + 1 and "model.embed_tokens.linear" in tinygemm
+    assert model.lm_head is model.get_input_embeddings().linear
+    assert not any(isinstance(m, PackedLinear4) for m in model.modules())
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.02 * float(expected.abs().max()))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_engine_on_a_packed_artifact_on_cuda_equals_generate(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A mixed packed artifact on the GPU (tinygemm int4, the int8 kernel, an int4 tied head):
+    the engine's greedy tokens, decode graphs replayed, equal `generate`'s on the same model,
+    and its logits are the CPU kernels' to bfloat16 rounding."""
+    from compress.load_spec import load_model
+    from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
+    from serve.core.sampling_params import SamplingParams
+    from serve.engine.llm_engine import LLMEngine
+    from tests.serve.conftest import generate_each, make_cases
+
+    path = _mixed_artifact(tiny_model_dir, tmp_path / "mixed")
+    model = load_model(path, dtype=torch.bfloat16, device="cuda")
+    assert isinstance(model.lm_head, TinygemmLinear4)
+    ids = torch.tensor([[5, 17, 400, 9, 300, 11, 12]])
+    with torch.no_grad():
+        expected = load_model(path, dtype=torch.bfloat16)(ids).logits.float()
+        got = model(ids.cuda()).logits.float().cpu()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.02 * float(expected.abs().max()))
+    cases = make_cases(6, seed=3, vocab=model.config.vocab_size, max_prompt=40, max_out=12)
+    reference = generate_each(model, cases)
+    engine = LLMEngine(
+        ModelConfig(str(path), dtype="bfloat16", device="cuda"),
+        CacheConfig(block_size=16, num_blocks=64),
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
+    )
+    assert engine.runner.graphs is not None
+    for i, case in enumerate(cases):
+        params = SamplingParams(max_tokens=case.max_tokens, temperature=0)
+        engine.add_request(str(i), case.prompt, params)
+    outputs: dict[int, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[int(out.request_id)] = out.token_ids
+    assert [outputs[i] for i in range(len(cases))] == reference
