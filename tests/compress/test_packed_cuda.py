@@ -282,8 +282,9 @@ def test_the_engine_on_a_packed_artifact_on_cuda_equals_generate(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """A mixed packed artifact on the GPU (tinygemm int4, the int8 kernel, an int4 tied head):
-    the engine's greedy tokens, decode graphs replayed, equal `generate`'s on the same model,
-    and its logits are the CPU kernels' to bfloat16 rounding."""
+    the engine's greedy tokens, decode graphs replayed, equal `generate`'s on the same float32
+    model (the kernels compute in bfloat16, as on the CPU, where `test_packed_methods` checks
+    the same), and its logits are the CPU kernels' to bfloat16 rounding."""
     from compress.load_spec import load_model
     from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
     from serve.core.sampling_params import SamplingParams
@@ -291,17 +292,17 @@ def test_the_engine_on_a_packed_artifact_on_cuda_equals_generate(
     from tests.serve.conftest import generate_each, make_cases
 
     path = _mixed_artifact(tiny_model_dir, tmp_path / "mixed")
-    model = load_model(path, dtype=torch.bfloat16, device="cuda")
+    model = load_model(path, dtype=torch.float32, device="cuda")
     assert isinstance(model.lm_head, TinygemmLinear4)
     ids = torch.tensor([[5, 17, 400, 9, 300, 11, 12]])
     with torch.no_grad():
-        expected = load_model(path, dtype=torch.bfloat16)(ids).logits.float()
+        expected = load_model(path, dtype=torch.float32)(ids).logits.float()
         got = model(ids.cuda()).logits.float().cpu()
     torch.testing.assert_close(got, expected, rtol=0, atol=0.02 * float(expected.abs().max()))
     cases = make_cases(6, seed=3, vocab=model.config.vocab_size, max_prompt=40, max_out=12)
     reference = generate_each(model, cases)
     engine = LLMEngine(
-        ModelConfig(str(path), dtype="bfloat16", device="cuda"),
+        ModelConfig(str(path), dtype="float32", device="cuda"),
         CacheConfig(block_size=16, num_blocks=64),
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
     )
