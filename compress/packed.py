@@ -347,7 +347,7 @@ class PackedLinear8(_Int8Linear):
             y = y * self.scales
         elif dequantize:
             y = dequantized_linear(flat.float(), self.weight_rows, self.out_features).to(flat.dtype)
-        elif self.kernel or (self.cuda_kernel and flat.shape[0] <= CUDA_INT8_KERNEL_ROWS):
+        elif self.kernel or (self.cuda_kernel and 0 < flat.shape[0] <= CUDA_INT8_KERNEL_ROWS):
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q_signed, self.scales)
         else:
             y = F.linear(flat, self.q_signed.to(flat.dtype) * self.scales[:, None])

@@ -162,6 +162,23 @@ def test_an_int4_embedding_on_a_tinygemm_gpu_reads_rows_from_the_heads_operand(
     torch.testing.assert_close(embedding(ids), rows[ids])
 
 
+def test_a_call_over_no_rows_launches_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose rows sample nothing calls the head on no rows; tinygemm (like any CUDA
+    kernel) cannot launch an empty grid, so such a call returns an empty product."""
+    _as_cuda_module(monkeypatch)
+
+    def no_empty_launch(x: torch.Tensor, *args: torch.Tensor | int) -> torch.Tensor:
+        assert x.shape[0] > 0, "a kernel launched over no rows"
+        return _tinygemm_emulated(x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("compress.packed_cuda.int4pack_mm", no_empty_launch)
+    module = packed_module(
+        PackedFormat(4, 32), rtn(torch.randn(44, 64), PackedFormat(4, 32)), None, torch.float32
+    )
+    assert module(torch.randn(0, 64)).shape == (0, 44)
+    assert module(torch.randn(1, 2, 64)).shape == (1, 2, 44)
+
+
 def _on_cuda(qw: Quantized) -> Quantized:
     return Quantized(qw.q.cuda(), qw.scales.cuda(), qw.zeros.cuda())
 
@@ -218,7 +235,8 @@ def test_int8_on_cuda_runs_the_kernel_for_decode_sized_calls(
         reference = x @ qw.dequantize().t()
         y = module(x.cuda().bfloat16()).float().cpu()
         torch.testing.assert_close(y, reference, rtol=2e-2, atol=0.25)
-    assert calls == [1, 16]  # 64 rows: the dequantized product
+    assert module(torch.zeros(0, 512, device="cuda", dtype=torch.bfloat16)).shape == (0, 96)
+    assert calls == [1, 16]  # 64 rows (and none): the dequantized product
     assert reference is not None
 
 
