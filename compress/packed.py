@@ -277,6 +277,14 @@ class PackedLinear4(nn.Module):
             )
         return self._dequantize(codes, self.scales_and_zeros[:, start:stop])
 
+    def codes(self) -> torch.Tensor:
+        """Every row's uint8 codes [out, in] (read back from the CPU kernel's bytes)."""
+        if not self.kernel or self.layout is None:
+            return self.q
+        return self.layout.unpack(
+            self.packed, self.out_features, self.in_features, 0, self.out_features
+        )
+
     def weight_rows_bf16(self, start: int, stop: int) -> torch.Tensor:
         return self.weight_rows(start, stop).to(torch.bfloat16)
 

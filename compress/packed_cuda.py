@@ -121,9 +121,16 @@ def kernel_scales_and_zeros(
     (s, (8 - z) * s)] in bfloat16, rows past `out` (to `rows`) zero."""
     offsets = (8 - zeros) * scales
     sz = torch.stack([scales.t(), offsets.t()], dim=-1)
-    if rows is not None and rows > sz.shape[1]:
-        sz = torch.cat([sz, sz.new_zeros(sz.shape[0], rows - sz.shape[1], 2)], dim=1)
-    return sz.contiguous().to(torch.bfloat16)
+    return padded_to(sz, rows or sz.shape[1]).to(torch.bfloat16)
+
+
+def padded_to(scales_and_zeros: torch.Tensor, rows: int) -> torch.Tensor:
+    """[groups, out, 2] scales and offsets with zero rows up to `rows`, contiguous."""
+    groups, out, _ = scales_and_zeros.shape
+    if rows > out:
+        pad = scales_and_zeros.new_zeros(groups, rows - out, 2)
+        scales_and_zeros = torch.cat([scales_and_zeros, pad], dim=1)
+    return scales_and_zeros.contiguous()
 
 
 def int4pack_mm(
@@ -156,6 +163,22 @@ class TinygemmLinear4(nn.Module):
         sz = kernel_scales_and_zeros(scales, zeros, rows)
         self.register_buffer("scales_and_zeros", sz, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    @classmethod
+    def from_kernel_operands(
+        cls, codes: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None
+    ) -> TinygemmLinear4:
+        """Over codes [out, in] and scales and offsets already in the int4 kernels' convention
+        ([groups, out, (s, m)] bfloat16: torch's CPU kernel reads the same), bias kept."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = codes.shape
+        self.group_size = self.in_features // scales_and_zeros.shape[0]
+        sz = padded_to(scales_and_zeros, padded_rows(self.out_features))
+        self.register_buffer("packed", tinygemm_layout(codes), persistent=False)
+        self.register_buffer("scales_and_zeros", sz, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()

@@ -334,3 +334,63 @@ def test_the_engine_on_a_packed_artifact_on_cuda_equals_generate(
             if out.finished:
                 outputs[int(out.request_id)] = out.token_ids
     assert [outputs[i] for i in range(len(cases))] == reference
+
+
+def _int4_wo_like() -> torch.nn.Sequential:
+    """Two CPU-kernel int4 linears, as int4-wo's adopted torchao weights load (208 rows: six
+    full CPU blocks of 32 and a short one)."""
+    torch.manual_seed(9)
+    linears = [
+        PackedLinear4(
+            rtn(torch.randn(208, 128), PackedFormat(4, 32)), torch.randn(208), torch.float32
+        ),
+        PackedLinear4(rtn(torch.randn(48, 128), PackedFormat(4, 64)), None, torch.float32),
+    ]
+    return torch.nn.Sequential(*linears)
+
+
+def test_int4_wo_linears_move_onto_tinygemm_with_their_codes_and_kernel_scales(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """int4-wo's int4 linears (CPU kernel layout) become tinygemm's over the same codes and
+    bfloat16 scales and offsets: the same products to bfloat16 rounding."""
+    from compress.torchao_int4 import to_tinygemm
+
+    _as_cuda_module(monkeypatch)
+    model = _int4_wo_like()
+    x = torch.randn(3, 128)
+    expected = [m(x) for m in model]
+    codes = [m.codes() for m in model]
+    assert to_tinygemm(model) == 2
+    for module, want, q in zip(model, expected, codes):
+        assert isinstance(module, TinygemmLinear4)
+        assert torch.equal(tinygemm_rows(module.packed, torch.arange(q.shape[0]), 128), q)
+        torch.testing.assert_close(module(x), want, rtol=0, atol=0.02 * float(want.abs().max()))
+
+
+def test_int4_wo_stays_on_the_cpu_kernels_on_the_cpu_and_is_refused_where_no_kernel_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from compress.torchao_int4 import int4_onto
+
+    model = _int4_wo_like()
+    assert int4_onto(model, torch.device("cpu")) is model
+    assert all(isinstance(m, PackedLinear4) for m in model)
+    monkeypatch.setattr("compress.torchao_int4.tinygemm_runs", lambda device: False)
+    with pytest.raises(ValueError, match=r"int4-wo on cuda: .* load this variant on the CPU"):
+        int4_onto(model, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_int4_wo_on_cuda_runs_tinygemm_with_the_cpu_kernels_numbers() -> None:
+    from compress.torchao_int4 import int4_onto
+
+    model = _int4_wo_like()
+    x = torch.randn(5, 128)
+    expected = [m(x) for m in model]
+    int4_onto(model, torch.device("cuda"))
+    for module, want in zip(model, expected):
+        assert isinstance(module, TinygemmLinear4) and module.packed.is_cuda
+        got = module(x.cuda()).cpu()
+        torch.testing.assert_close(got, want, rtol=0, atol=0.02 * float(want.abs().max()))
