@@ -175,7 +175,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_dashboard(args: argparse.Namespace) -> int:
     from reports.dashboard import serve_dashboard
 
-    serve_dashboard(Path(args.reports), args.host, args.port)
+    serve_dashboard(
+        Path(args.reports), args.host, args.port, args.allowed_hosts, args.allowed_origins
+    )
     return 0
 
 
@@ -287,6 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("reports", nargs="?", default="reports", help="reports dir (default reports/)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8050, help="port to bind (default 8050)")
+    p.add_argument(
+        "--allowed-hosts",
+        help="comma-separated Host names answered besides the loopback ones on a loopback "
+        "address (a DNS-rebinding guard), e.g. the name a proxy forwards; * for any",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        help="comma-separated browser origins allowed to call the dashboard's API, or * for any",
+    )
     p.set_defaults(func=cmd_dashboard)
     return parser
 
