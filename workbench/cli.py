@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from catalog.gguf_file import BadGGUF
 from compress.gguf_export import GGUF_TYPES
 from compress.gguf_kquants import K_QUANTS
 from evals.load_cli import add_bench_arguments
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
-    except RecipeError as e:
+    except (RecipeError, BadGGUF) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except PipelineError as e:
