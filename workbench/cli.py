@@ -4,6 +4,7 @@ benchmark, export a variant, compare runs on the dashboard, build the demo model
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -303,10 +304,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_on_signal(signum: int, frame: object) -> None:
+    """SIGTERM and SIGHUP end a command as an exception does: `finally` blocks and exit
+    handlers run, so every process it started (the evals' servers) is stopped and no
+    half-written file is left; the same signal again is ignored while that happens."""
+    signal.signal(signum, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, extra = build_parser().parse_known_args(argv)
     keep_freed_memory()
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, exit_on_signal)
     if args.command == "bench-engine":
         args.args = extra + args.args
     elif args.command == "bench":
