@@ -75,6 +75,8 @@ def test_sigterm_to_workbench_run_leaves_no_process_behind(tmp_path: Path) -> No
         )
         started = set(session_processes(proc.pid)) - {proc.pid}
         assert len(started) >= 3, session_processes(proc.pid)  # server, forkserver, tracker
+        leaders = [pid for pid in started if os.getpgid(pid) == pid]
+        assert len(leaders) == 1, "the eval server leads a process group of its own"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=180) == 128 + signal.SIGTERM
         left = session_processes(proc.pid)
