@@ -27,6 +27,7 @@ from reports.render import comparison_rows
 from tests.reports.conftest import Run
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.e2e  # `workbench run` as a subprocess, a browser
 
@@ -533,7 +534,7 @@ def test_fifo_named_report_json_does_not_keep_the_dashboard_from_starting(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)},
     )
     try:
         assert proc.stdout is not None
