@@ -59,21 +59,23 @@ class ExportError(ValueError):
     """A variant that cannot be exported as asked; the message names why and the fix."""
 
 
+class ExportWriteError(ExportError, OSError):
+    """A write of the export failed (a full disk, a file size limit): an export refusal, and
+    still the OSError it was."""
+
+
 @contextlib.contextmanager
 def writing(path: Path) -> Iterator[None]:
     """Within the block `path` (where the file will be once the export is complete) is being
-    written: a failed write becomes ExportError naming it and the cause (numpy's short write
-    carries no errno, safetensors' error is no OSError)."""
+    written: a failed write becomes ExportWriteError naming it and the cause (numpy's short
+    write carries no errno, safetensors' error is no OSError)."""
     try:
         yield
     except (OSError, SafetensorError) as e:
-        if isinstance(e, OSError) and e.errno is not None:
-            cause = e.strerror or str(e)
-        elif isinstance(e, OSError):  # `tofile`: "57600 requested and 3808 written"
-            cause = f"a short write ({e}): the disk is full or a file size limit was reached"
-        else:
-            cause = str(e)
-        raise ExportError(
+        cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        if " requested and " in cause:  # `tofile`: "57600 requested and 3808 written"
+            cause = f"a short write ({cause}): the disk is full or a file size limit was reached"
+        raise ExportWriteError(
             f"{path}: the write failed: {cause}; nothing was written{_free_space(path)}"
         ) from None
 
