@@ -8,6 +8,7 @@ never sees `http.disconnect` and a non-streaming request whose client left would
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import re
 from urllib.parse import urlsplit
 
@@ -131,8 +132,19 @@ class ApiKey:
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
-def is_loopback(host: str) -> bool:
-    return host in LOOPBACK_NAMES or host.startswith("127.")
+def is_loopback(name: str) -> bool:
+    """Whether a host name (lower case, no port or brackets) is `localhost` or a literal
+    loopback address (127.0.0.0/8, ::1, ::ffff:127.x.y.z). Compared as a name or an address,
+    never by prefix: `127.0.0.1.rebind.example` is a DNS name any page's owner can point at
+    127.0.0.1, and is not loopback."""
+    if name == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _host_name(host: str) -> str:
