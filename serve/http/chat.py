@@ -19,6 +19,7 @@ from serve.http.serving import (
     RequestError,
     add_all,
     check_lengths,
+    check_token_ids,
     checked_grammar,
     collect,
     encode,
@@ -163,6 +164,7 @@ async def create_chat_completion(
 ) -> Any:
     engine, tok = server.engine, server.engine.tokenizer
     server.check_room(body.model, body.n)
+    check_token_ids(body, engine.vocab_size)
     job = await asyncio.to_thread(
         chat_job,
         body,

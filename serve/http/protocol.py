@@ -10,6 +10,7 @@ implement are accepted only at their neutral value.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -17,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve.core.sampling_params import SEED_MAX, SEED_MIN, Grammar, OutputKind, SamplingParams
+from serve.http.json_bounds import bracket_depth, json_depth, nesting_depth
 
 MAX_N = 16
 MAX_PATH_CHARS = 4096
@@ -26,6 +28,25 @@ MAX_TOKEN_LIST = 1024
 """Entries of logit_bias and of stop_token_ids."""
 MAX_CHOICES = 256
 """Choices of a structured `choice` constraint."""
+MAX_SCHEMA_DEPTH = 128
+"""Nesting of a JSON schema's objects and arrays (each level of `items` is one, of
+`properties` two); what the grammar engines take (llguidance refuses less), and far above what
+real schemas use (OpenAI's strict mode allows 10 levels of objects)."""
+MAX_JSON_DEPTH = 4 * MAX_SCHEMA_DEPTH
+"""Nesting of JSON arrays and objects in a whole body (refused unparsed by the middleware):
+deep enough that a too-deep schema reaches its field's check, which names it."""
+MAX_GRAMMAR_CHARS = 256 << 10
+"""Characters of a schema (as JSON), regex, Lark grammar or choice list: 256 KiB, room for
+`MAX_CHOICES` choices of 1,000 characters; the grammar cache holds compiled grammars of at
+most this size (see `serve.model.grammar`)."""
+MAX_GRAMMAR_DEPTH = MAX_SCHEMA_DEPTH
+"""Nesting of parentheses, brackets and braces in a regex or Lark grammar (a bound counted on
+the raw text, escapes included: their parsers recurse per level)."""
+MAX_TOKEN_ID_DIGITS = 10
+"""Digits of a token id given as a string (logit_bias keys): more than any vocabulary."""
+_TOKEN_ID = re.compile(rf"[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}")
+"""A token id as a string: ASCII digits only (`str.isdigit` also takes '²' and '①', which
+`int` refuses), and few enough of them that `int` never meets its 4,300-digit limit."""
 
 
 def _check_text(value: Any) -> None:
@@ -61,11 +82,48 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+def check_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A schema within `MAX_SCHEMA_DEPTH` and `MAX_GRAMMAR_CHARS`, else ValueError saying so
+    (depth first: measuring the size serializes it, which recurses)."""
+    if (depth := nesting_depth(schema, MAX_SCHEMA_DEPTH)) > MAX_SCHEMA_DEPTH:
+        raise ValueError(
+            f"the schema nests objects and arrays more than {depth - 1} deep; at most "
+            f"{MAX_SCHEMA_DEPTH}: flatten it (use $defs and $ref for recursive shapes)"
+        )
+    check_grammar_size(json.dumps(schema), "the schema")
+    return schema
+
+
+def check_grammar_size(text: str, what: str) -> str:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ValueError(
+            f"{what} is {len(text)} characters; at most {MAX_GRAMMAR_CHARS}: shorten it "
+            "(long descriptions do not constrain the output: drop them)"
+        )
+    return text
+
+
+def check_grammar_text(text: str, what: str) -> str:
+    """A regex or Lark grammar within the size and nesting bounds, else ValueError."""
+    check_grammar_size(text, what)
+    depth = bracket_depth(text.encode("utf-8", "replace"), b"([{", b")]}")
+    if depth > MAX_GRAMMAR_DEPTH:
+        raise ValueError(
+            f"{what} nests parentheses and brackets {depth} deep; at most {MAX_GRAMMAR_DEPTH}"
+        )
+    return text
+
+
 class JsonSchemaFormat(Strict):
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
     schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
     strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_schema(value)
 
 
 class ResponseFormat(Strict):
@@ -97,15 +155,34 @@ class StructuredOutputs(Strict):
     @field_validator("json_")
     @classmethod
     def _json_text(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
         if not isinstance(value, str):
-            return value
+            return check_schema(value)
+        check_grammar_size(value, "the schema")
+        if (depth := json_depth(value.encode("utf-8", "replace"))) > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"the schema text nests JSON {depth} deep; at most {MAX_SCHEMA_DEPTH}: flatten it"
+            )
         try:
             schema = json.loads(value)
         except ValueError as e:
             raise ValueError(f"json is a string but not JSON ({e}); send the schema") from None
         if not isinstance(schema, dict):
             raise ValueError("json must be a JSON schema object")
-        return schema
+        return check_schema(schema)
+
+    @field_validator("regex", "grammar")
+    @classmethod
+    def _bounded_text(cls, value: str | None) -> str | None:
+        return None if value is None else check_grammar_text(value, "the grammar")
+
+    @field_validator("choice")
+    @classmethod
+    def _bounded_choices(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            check_grammar_size(json.dumps(value), "the choice list")
+        return value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
@@ -170,8 +247,11 @@ class SamplingFields(Strict):
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(
+                    f"logit_bias keys are token ids (at most {MAX_TOKEN_ID_DIGITS} ASCII digits), "
+                    f"got {key[:40]!r}"
+                )
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return value

@@ -77,6 +77,31 @@ def check_lengths(
             )
 
 
+def check_token_ids(body: SamplingFields, vocab_size: int) -> None:
+    """400 naming the field for a logit_bias key or stop token id outside the vocabulary."""
+    for field, ids in (
+        ("logit_bias", [int(k) for k in body.logit_bias or {}]),
+        ("stop_token_ids", body.stop_token_ids or []),
+    ):
+        if bad := [t for t in ids if not 0 <= t < vocab_size]:
+            raise RequestError(
+                400,
+                f"{field} names token ids {bad[:5]} outside the vocabulary [0, {vocab_size})",
+                param=field,
+            )
+
+
+def check_prompt_ids(prompts: list[str | list[int]], vocab_size: int) -> None:
+    """400 naming `prompt` for a token-id prompt holding an id outside the vocabulary."""
+    for p in prompts:
+        if isinstance(p, list) and (bad := [t for t in p if not 0 <= t < vocab_size]):
+            raise RequestError(
+                400,
+                f"prompt holds token ids {bad[:5]} outside the vocabulary [0, {vocab_size})",
+                param="prompt",
+            )
+
+
 CHARS_PER_TOKEN_BOUND = 16
 """A prompt longer than max_model_len x this many characters is first tokenized in part."""
 
