@@ -260,10 +260,18 @@ class AsyncEngine:
         return list(self._adapter_names)
 
     async def abort(self, request_id: str, reason: str = "abort") -> None:
-        if self._end(request_id, reason, time.perf_counter()) is None:
+        await self.abort_all([request_id], reason)
+
+    async def abort_all(self, request_ids: list[str], reason: str = "abort") -> None:
+        """End these requests (those still running) in one engine command. Safe to call from a
+        cancelled task (a stream whose client left: anyio cancels every await there): every
+        request is ended and its abort queued before the first await."""
+        now = time.perf_counter()
+        ended = [r for r in request_ids if self._end(r, reason, now) is not None]
+        if not ended or self.dead is not None:
             return
-        if self.dead is None:
-            await self._call(lambda: self.engine.abort(request_id))
+        engine = self.engine
+        await asyncio.shield(self._call(lambda: [engine.abort(r) for r in ended]))
 
     async def stream(self, tracked: Tracked) -> AsyncIterator[RequestOutput]:
         """Outputs of one added request until it finishes; aborts it if the consumer leaves."""
@@ -275,7 +283,7 @@ class AsyncEngine:
                     return
         finally:
             if not tracked.finished:
-                await asyncio.shield(self.abort(tracked.request_id))
+                await self.abort(tracked.request_id)
 
     async def generate(
         self, request_id: str, prompt: list[int], params: SamplingParams

@@ -136,8 +136,7 @@ async def add_all(engine: AsyncEngine, base_id: str, job: Job) -> list[Tracked]:
                 params = job.params[p * job.n + i]
                 added.append(await engine.add(f"{base_id}-{p}-{i}", prompt, params, job.adapter))
     except BaseException:
-        for t in added:
-            await engine.abort(t.request_id)
+        await engine.abort_all([t.request_id for t in added])
         raise
     return added
 
@@ -161,8 +160,7 @@ async def collect(
         if not gathered.done() and await disconnected():
             gathered.cancel()
             gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
-            for t in tracked:
-                await engine.abort(t.request_id)
+            await engine.abort_all([t.request_id for t in tracked])
             raise ClientGone()
     return gathered.result()
 
@@ -184,9 +182,9 @@ async def merged(
     finally:
         for read in reads:
             read.cancel()
-        for t in tracked:
-            if not t.finished:
-                await asyncio.shield(engine.abort(t.request_id))
+        # every choice at once: a stream whose client left runs this in a cancelled scope,
+        # where each await is cancelled again (one abort per await left n - 1 running)
+        await engine.abort_all([t.request_id for t in tracked if not t.finished])
 
 
 def checked_grammar(body: SamplingFields) -> Grammar | None:
