@@ -25,6 +25,7 @@ from serve.http.serving import (
     encode,
     envelope,
     event_stream,
+    grammar_field,
     merged,
     sse,
     token_strings,
@@ -88,7 +89,7 @@ def chat_job(
     params = [
         body.sampling_params(max_tokens, i, top, None, defaults, grammar) for i in range(body.n)
     ]
-    return Job([prompt], params, body.n)
+    return Job([prompt], params, body.n, grammar_field=grammar_field(body))
 
 
 def chat_logprobs(tok: PreTrainedTokenizerBase, out: RequestOutput, top_n: int) -> dict[str, Any]:

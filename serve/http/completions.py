@@ -27,6 +27,7 @@ from serve.http.serving import (
     encode,
     envelope,
     event_stream,
+    grammar_field,
     merged,
     sse,
     token_strings,
@@ -64,7 +65,7 @@ def completion_job(
         for _ in prompts
         for i in range(body.n)
     ]
-    return Job(prompts, params, body.n, body.echo)
+    return Job(prompts, params, body.n, body.echo, grammar_field=grammar_field(body))
 
 
 def completion_logprobs(

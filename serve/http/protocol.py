@@ -17,7 +17,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve.core.sampling_params import SEED_MAX, SEED_MIN, Grammar, OutputKind, SamplingParams
+from serve.core.sampling_params import (
+    MAX_GRAMMAR_CHARS,
+    SEED_MAX,
+    SEED_MIN,
+    Grammar,
+    OutputKind,
+    SamplingParams,
+)
 from serve.http.json_bounds import bracket_depth, json_depth, nesting_depth
 
 MAX_N = 16
@@ -35,10 +42,6 @@ real schemas use (OpenAI's strict mode allows 10 levels of objects)."""
 MAX_JSON_DEPTH = 4 * MAX_SCHEMA_DEPTH
 """Nesting of JSON arrays and objects in a whole body (refused unparsed by the middleware):
 deep enough that a too-deep schema reaches its field's check, which names it."""
-MAX_GRAMMAR_CHARS = 256 << 10
-"""Characters of a schema (as JSON), regex, Lark grammar or choice list: 256 KiB, room for
-`MAX_CHOICES` choices of 1,000 characters; the grammar cache holds compiled grammars of at
-most this size (see `serve.model.grammar`)."""
 MAX_GRAMMAR_DEPTH = MAX_SCHEMA_DEPTH
 """Nesting of parentheses, brackets and braces in a regex or Lark grammar (a bound counted on
 the raw text, escapes included: their parsers recurse per level)."""

@@ -53,6 +53,8 @@ class Job:
     echo: bool = False
     adapter: str | None = None
     """The LoRA adapter every choice runs on (None: the base model)."""
+    grammar_field: str = "structured_outputs"
+    """The field that gave the output constraint (named when it fails to compile)."""
 
 
 def check_lengths(
@@ -135,6 +137,9 @@ async def add_all(engine: AsyncEngine, base_id: str, job: Job) -> list[Tracked]:
             for i in range(job.n):
                 params = job.params[p * job.n + i]
                 added.append(await engine.add(f"{base_id}-{p}-{i}", prompt, params, job.adapter))
+    except GrammarError as e:
+        await engine.abort_all([t.request_id for t in added])
+        raise RequestError(400, str(e), job.grammar_field) from e
     except BaseException:
         await engine.abort_all([t.request_id for t in added])
         raise
@@ -195,9 +200,12 @@ def checked_grammar(body: SamplingFields) -> Grammar | None:
         try:
             route(grammar)
         except GrammarError as e:
-            param = "structured_outputs" if body.structured_outputs else "response_format"
-            raise RequestError(400, str(e), param) from e
+            raise RequestError(400, str(e), grammar_field(body)) from e
     return grammar
+
+
+def grammar_field(body: SamplingFields) -> str:
+    return "structured_outputs" if body.structured_outputs else "response_format"
 
 
 def usage(outputs: list[RequestOutput], prompts: list[list[int]]) -> dict[str, int]:
