@@ -15,7 +15,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from serve.core.sampling_params import (
     MAX_GRAMMAR_CHARS,
@@ -329,6 +337,39 @@ class SamplingFields(Strict):
         )
 
 
+PROMPT_SHAPES = "a string, a list of token ids, a list of strings, or a list of token-id lists"
+
+
+def _kind(item: Any) -> str:
+    if isinstance(item, list):
+        return "token-id list"
+    return {str: "string", int: "token id"}.get(type(item), type(item).__name__)
+
+
+def prompt_shape_problem(value: Any) -> str | None:
+    """What breaks a prompt's shape (one kind of item per list), or None when its shape is
+    one of `PROMPT_SHAPES` (whatever else is wrong with it)."""
+    if isinstance(value, str):
+        return None
+    if not isinstance(value, list):
+        return f"prompt must be {PROMPT_SHAPES}; got a {_kind(value)}"
+    kinds = [_kind(item) for item in value[:1]]
+    if kinds and kinds[0] not in ("string", "token id", "token-id list"):
+        return f"prompt must be {PROMPT_SHAPES}; item 0 is a {kinds[0]}"
+    for i, item in enumerate(value):
+        if _kind(item) != kinds[0]:
+            return (
+                f"prompt item {i} is a {_kind(item)} but item 0 is a {kinds[0]}: a prompt "
+                f"list holds one kind; send {PROMPT_SHAPES}"
+            )
+        if (
+            isinstance(item, list)
+            and (bad := next((x for x in item if _kind(x) != "token id"), None)) is not None
+        ):
+            return f"prompt item {i} holds a {_kind(bad)}; a token-id list holds token ids only"
+    return None
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
@@ -350,6 +391,18 @@ class CompletionRequest(SamplingFields):
                 "them into several requests"
             )
         return data
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """The union is checked in pydantic's core (a list of a million ids costs no Python
+        loop); only a refused prompt is walked, to say which item breaks its shape."""
+        try:
+            return handler(value)
+        except ValidationError:
+            if (problem := prompt_shape_problem(value)) is None:
+                raise
+            raise ValueError(problem) from None
 
     @field_validator("prompt")
     @classmethod

@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from serve.http import completions
 from tests.serve.server_util import ThreadServer
 
 BAD = [
@@ -311,3 +312,32 @@ def test_a_schema_within_the_bounds_is_served(server: ThreadServer) -> None:
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"].startswith("[")
+
+
+# --- issue 67.3: a body's shape is refused before any of it is tokenized ---
+
+
+@pytest.mark.parametrize(
+    ("prompt", "words"),
+    [
+        ([1, "a" * ((4 << 20) - 200)], "prompt item 1 is a string but item 0 is a token id"),
+        ([[1], "a" * ((4 << 20) - 200)], "item 1 is a string but item 0 is a token-id list"),
+        (["a" * ((4 << 20) - 200), [1]], "item 1 is a token-id list but item 0 is a string"),
+        ([[1, "a" * 1000]], "prompt item 0 holds a string"),
+    ],
+    ids=["token-id-then-4mib-string", "id-list-then-4mib-string", "string-then-ids", "ids-and-str"],
+)
+def test_prompt_list_of_a_token_id_and_a_4mib_string_is_refused_before_tokenizing(
+    server: ThreadServer, monkeypatch: pytest.MonkeyPatch, prompt: list, words: str
+) -> None:
+    """Issue 67.3: a mixed prompt list must be refused by its shape, naming `prompt`, with
+    nothing tokenized (tokenizing the 4 MiB string first is what cost seconds and gigabytes)."""
+    encoded: list[int] = []
+    real = completions.encode
+    monkeypatch.setattr(
+        completions,
+        "encode",
+        lambda tok, text, *a, **k: encoded.append(len(text)) or real(tok, text, *a, **k),
+    )
+    refused(server, {**BASE, "prompt": prompt}, "prompt", words)
+    assert encoded == [1]  # only the text of the good request `refused` sends after it
