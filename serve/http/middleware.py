@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.http.json_bounds import json_depth, strip_strings
-from serve.http.protocol import MAX_JSON_DEPTH, MAX_PROMPTS, error_body
+from serve.http.bounds import MAX_JSON_DEPTH, json_depth, strip_strings
+from serve.http.protocol import MAX_PROMPTS, error_body
 
 JSON = b"application/json"
 MAX_CONTAINERS = 8 * MAX_PROMPTS

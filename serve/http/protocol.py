@@ -25,15 +25,15 @@ from pydantic import (
     model_validator,
 )
 
-from serve.core.sampling_params import (
-    MAX_GRAMMAR_CHARS,
-    SEED_MAX,
-    SEED_MIN,
-    Grammar,
-    OutputKind,
-    SamplingParams,
+from serve.core.sampling_params import SEED_MAX, SEED_MIN, Grammar, OutputKind, SamplingParams
+from serve.http.bounds import (
+    MAX_SCHEMA_DEPTH,
+    check_grammar_size,
+    check_grammar_text,
+    check_schema,
+    json_depth,
+    prompt_shape_problem,
 )
-from serve.http.json_bounds import bracket_depth, json_depth, nesting_depth
 
 MAX_N = 16
 MAX_PATH_CHARS = 4096
@@ -43,16 +43,6 @@ MAX_TOKEN_LIST = 1024
 """Entries of logit_bias and of stop_token_ids."""
 MAX_CHOICES = 256
 """Choices of a structured `choice` constraint."""
-MAX_SCHEMA_DEPTH = 128
-"""Nesting of a JSON schema's objects and arrays (each level of `items` is one, of
-`properties` two); what the grammar engines take (llguidance refuses less), and far above what
-real schemas use (OpenAI's strict mode allows 10 levels of objects)."""
-MAX_JSON_DEPTH = 4 * MAX_SCHEMA_DEPTH
-"""Nesting of JSON arrays and objects in a whole body (refused unparsed by the middleware):
-deep enough that a too-deep schema reaches its field's check, which names it."""
-MAX_GRAMMAR_DEPTH = MAX_SCHEMA_DEPTH
-"""Nesting of parentheses, brackets and braces in a regex or Lark grammar (a bound counted on
-the raw text, escapes included: their parsers recurse per level)."""
 MAX_TOKEN_ID_DIGITS = 10
 """Digits of a token id given as a string (logit_bias keys): more than any vocabulary."""
 _TOKEN_ID = re.compile(rf"[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}")
@@ -91,38 +81,6 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
-
-
-def check_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """A schema within `MAX_SCHEMA_DEPTH` and `MAX_GRAMMAR_CHARS`, else ValueError saying so
-    (depth first: measuring the size serializes it, which recurses)."""
-    if (depth := nesting_depth(schema, MAX_SCHEMA_DEPTH)) > MAX_SCHEMA_DEPTH:
-        raise ValueError(
-            f"the schema nests objects and arrays more than {depth - 1} deep; at most "
-            f"{MAX_SCHEMA_DEPTH}: flatten it (use $defs and $ref for recursive shapes)"
-        )
-    check_grammar_size(json.dumps(schema), "the schema")
-    return schema
-
-
-def check_grammar_size(text: str, what: str) -> str:
-    if len(text) > MAX_GRAMMAR_CHARS:
-        raise ValueError(
-            f"{what} is {len(text)} characters; at most {MAX_GRAMMAR_CHARS}: shorten it "
-            "(long descriptions do not constrain the output: drop them)"
-        )
-    return text
-
-
-def check_grammar_text(text: str, what: str) -> str:
-    """A regex or Lark grammar within the size and nesting bounds, else ValueError."""
-    check_grammar_size(text, what)
-    depth = bracket_depth(text.encode("utf-8", "replace"), b"([{", b")]}")
-    if depth > MAX_GRAMMAR_DEPTH:
-        raise ValueError(
-            f"{what} nests parentheses and brackets {depth} deep; at most {MAX_GRAMMAR_DEPTH}"
-        )
-    return text
 
 
 class JsonSchemaFormat(Strict):
@@ -335,39 +293,6 @@ class SamplingFields(Strict):
             grammar=grammar,
             output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY,
         )
-
-
-PROMPT_SHAPES = "a string, a list of token ids, a list of strings, or a list of token-id lists"
-
-
-def _kind(item: Any) -> str:
-    if isinstance(item, list):
-        return "token-id list"
-    return {str: "string", int: "token id"}.get(type(item), type(item).__name__)
-
-
-def prompt_shape_problem(value: Any) -> str | None:
-    """What breaks a prompt's shape (one kind of item per list), or None when its shape is
-    one of `PROMPT_SHAPES` (whatever else is wrong with it)."""
-    if isinstance(value, str):
-        return None
-    if not isinstance(value, list):
-        return f"prompt must be {PROMPT_SHAPES}; got a {_kind(value)}"
-    kinds = [_kind(item) for item in value[:1]]
-    if kinds and kinds[0] not in ("string", "token id", "token-id list"):
-        return f"prompt must be {PROMPT_SHAPES}; item 0 is a {kinds[0]}"
-    for i, item in enumerate(value):
-        if _kind(item) != kinds[0]:
-            return (
-                f"prompt item {i} is a {_kind(item)} but item 0 is a {kinds[0]}: a prompt "
-                f"list holds one kind; send {PROMPT_SHAPES}"
-            )
-        if (
-            isinstance(item, list)
-            and (bad := next((x for x in item if _kind(x) != "token id"), None)) is not None
-        ):
-            return f"prompt item {i} holds a {_kind(bad)}; a token-id list holds token ids only"
-    return None
 
 
 class CompletionRequest(SamplingFields):

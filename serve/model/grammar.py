@@ -12,6 +12,13 @@ a GPU) in a worker thread while the model runs. After sampling, the matchers con
 tokens the same way. Once a grammar is complete, or a matcher has rejected a token, only
 end-of-sequence is allowed, so the request ends by itself.
 
+Compiling a grammar (seconds for 256 choices of 600 characters) happens before the request
+reaches the engine: `prepare` runs `compile` in the grammar worker, a thread beside the step
+loop (xgrammar releases the GIL), the server waits for it at most `compile_timeout_s`, and the
+compiled grammar is handed over with the request's add; the engine thread only builds the
+matcher. Compiled grammars stay in xgrammar's cache, bounded by `cache_bytes` (least recently
+used evicted); the offline API, with nothing handed over, compiles on add.
+
 Deferred masks (`deferrable` requests: greedy, nothing else acting on the row, an xgrammar
 matcher, a CPU forward): the mask is not computed before the forward; the row's free argmax is
 offered to the matcher instead, and only when it rejects it is the mask computed and the masked
