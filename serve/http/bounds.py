@@ -27,6 +27,20 @@ the raw text, escapes included: their parsers recurse per level)."""
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: linear, runs in C
 
 
+MAX_INTEGER_DIGITS = 4300
+"""Digits of a JSON number outside strings: Python's limit for converting a string to an int
+(`sys.get_int_max_str_digits`; a longer integer made the body "not parseable", naming nothing)."""
+_DIGITS = re.compile(rb"[0-9]{%d,}" % (MAX_INTEGER_DIGITS + 1))
+
+
+def longest_integer(body: bytes) -> int:
+    """The longest run of digits outside JSON strings, when it is over `MAX_INTEGER_DIGITS`
+    (else 0)."""
+    if len(body) <= MAX_INTEGER_DIGITS or _DIGITS.search(body) is None:
+        return 0
+    return max((len(m) for m in _DIGITS.findall(strip_strings(body))), default=0)
+
+
 def strip_strings(body: bytes) -> bytes:
     """`body` without its JSON strings (so brackets inside them are not counted)."""
     return _STRING.sub(b"", body)

@@ -14,7 +14,13 @@ from urllib.parse import urlsplit
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.http.bounds import MAX_JSON_DEPTH, json_depth, strip_strings
+from serve.http.bounds import (
+    MAX_INTEGER_DIGITS,
+    MAX_JSON_DEPTH,
+    json_depth,
+    longest_integer,
+    strip_strings,
+)
 from serve.http.protocol import MAX_PROMPTS, error_body
 
 JSON = b"application/json"
@@ -35,7 +41,8 @@ def json_containers(body: bytes) -> int:
 
 
 def _shape_problem(body: bytes) -> str | None:
-    """Why a body is refused unparsed (too many or too deeply nested JSON containers)."""
+    """Why a body is refused unparsed: too many or too deeply nested JSON containers, or a
+    number longer than Python's parser takes (its 4,300-digit limit for integers)."""
     if (containers := json_containers(body)) > MAX_CONTAINERS:
         return (
             f"the request body holds {containers} JSON arrays and objects; at most "
@@ -48,6 +55,11 @@ def _shape_problem(body: bytes) -> str | None:
         return (
             f"the request body nests JSON arrays and objects {depth} deep; at most "
             f"{MAX_JSON_DEPTH}: flatten it"
+        )
+    if (digits := longest_integer(body)) > MAX_INTEGER_DIGITS:
+        return (
+            f"the request body holds a number of {digits} digits; at most "
+            f"{MAX_INTEGER_DIGITS} (no field takes a number of more than 20)"
         )
     return None
 

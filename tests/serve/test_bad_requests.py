@@ -341,3 +341,25 @@ def test_prompt_list_of_a_token_id_and_a_4mib_string_is_refused_before_tokenizin
     )
     refused(server, {**BASE, "prompt": prompt}, "prompt", words)
     assert encoded == [1]  # only the text of the good request `refused` sends after it
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "seed", "prompt"])
+def test_a_5000_digit_number_is_400_saying_so(server: ThreadServer, field: str) -> None:
+    """A sibling of the 5,000-digit logit_bias key: as a JSON number, Python's parser refuses
+    it and the answer named nothing ("There was an error parsing the body")."""
+    number = "9" * 5000
+    value = f"[{number}]" if field == "prompt" else number
+    raw = '{"model": "test-model", "prompt": "a", "' + field + '": ' + value + "}"
+    if field == "prompt":
+        raw = '{"model": "test-model", "prompt": ' + value + "}"
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        content=raw.encode(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert "a number of 5000 digits; at most 4300" in r.json()["error"]["message"]
+    text = {"model": "test-model", "prompt": "9" * 6000, "max_tokens": 2}  # digits in a string
+    r = httpx.post(f"{server.url}/v1/completions", json=text, timeout=60)
+    assert r.json()["error"]["code"] == "context_length_exceeded"  # read, and tokenized
