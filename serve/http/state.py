@@ -101,18 +101,10 @@ class ServerState:
             raise model_not_found(model, base)
 
     def check_room(self, model: str, num_requests: int) -> None:
-        """404 / 503 now, before any work, when the request could not be admitted (400 when it
-        never could: each of its `n` choices counts as a request); `admit`
+        """404 / 503 now, before any work, when the request could not be admitted (each of its
+        prompts x `n` choices counts as a request); `admit`
         decides (again) when the requests are added, with nothing awaited in between."""
         self.check_model(model)
-        if num_requests > self.settings.max_waiting:
-            raise RequestError(
-                400,
-                f"this request asks for {num_requests} sequences (prompts x n); the server "
-                f"queues at most {self.settings.max_waiting} (--max-waiting): lower n or split "
-                "the prompts over several requests",
-                "n",
-            )
         engine = self.engine
         queued = engine.num_unfinished - engine.stats.num_running
         if queued + num_requests > self.settings.max_waiting:

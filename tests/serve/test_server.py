@@ -337,19 +337,20 @@ def test_clients_that_leave_n_16_streams_do_not_wedge_the_server(
 
 
 def test_n_counts_against_max_waiting_as_n_requests(model_dirs: dict[str, Path]) -> None:
-    """A request of more sequences (prompts x n) than --max-waiting could never be admitted:
-    a 400 naming n, not a 503 to retry forever."""
+    """Issue 67.6: each of a request's prompts x n choices counts against --max-waiting as a
+    request would, before any work (nothing is added, nothing is left queued)."""
     s = start_thread_server(model_dirs["llama"], max_waiting=8)
     try:
         body = {"model": "test-model", "prompt": [11, 12], "max_tokens": 2}
-        r = httpx.post(f"{s.url}/v1/completions", json={**body, "n": 9}, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
-        assert "asks for 9 sequences" in r.json()["error"]["message"]
-        r = httpx.post(f"{s.url}/v1/completions", json={**body, "prompt": [[11]] * 3, "n": 3})
-        assert r.status_code == 400 and "asks for 9 sequences" in r.json()["error"]["message"]
         chat = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "n": 9}
-        r = httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        for path, over in (
+            ("/v1/completions", {**body, "n": 9}),
+            ("/v1/completions", {**body, "prompt": [[11]] * 3, "n": 3}),
+            ("/v1/chat/completions", chat),
+        ):
+            r = httpx.post(f"{s.url}{path}", json=over, timeout=60)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert s.engine.num_unfinished == 0 and not s.engine.engine.scheduler.requests
         ok = httpx.post(f"{s.url}/v1/completions", json={**body, "n": 8}, timeout=60)
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 8
     finally:
