@@ -24,6 +24,10 @@ class OutputKind(enum.Enum):
 
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+MAX_GRAMMAR_CHARS = 256 << 10
+"""Characters of a grammar's spec (a schema as JSON, a regex, a Lark grammar, a choice list):
+256 KiB, room for 256 choices of 1,000 characters. Bounds what one grammar costs to compile and
+to cache (long schema descriptions do not constrain the output: drop them)."""
 
 
 @dataclass(frozen=True)

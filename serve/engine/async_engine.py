@@ -5,6 +5,8 @@ Model: one thread owns the `LLMEngine` and loops: run the commands queued since 
 touch the engine: they queue a command and await its future. Each request's outputs are pushed
 to its own `OutputCollector` on the event loop. So adds and aborts take effect between steps, and
 a client that goes away has its request aborted (and its blocks freed) before the next step.
+A constrained request's grammar is compiled before it is queued, in the grammar worker (a thread
+beside the step loop, with a time bound): the engine only makes its matcher.
 
 A collector holds at most one unread output: deltas (streams) are merged into it, a final output
 replaces it. A reader that falls more than `max_unread_tokens` behind (a client that stopped
@@ -31,11 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from serve.core.sampling_params import OutputKind, SamplingParams
+from serve.core.sampling_params import Grammar, OutputKind, SamplingParams
 from serve.core.stats import EngineStats
 from serve.engine.llm_engine import InvalidRequest, LLMEngine, RequestOutput, StepFailed
 from serve.engine.metrics import ServerMetrics
 from serve.lora.adapter import Adapter
+from serve.model.grammar import GrammarError, Prepared
 from serve.model.openmp_pool import release_thread_pool
 
 log = logging.getLogger(__name__)
@@ -183,22 +186,44 @@ class AsyncEngine:
         collector = OutputCollector(params.output_kind)
         tracked = Tracked(request_id, collector, time.perf_counter(), len(prompt))
         self._tracked[request_id] = tracked
+        grammars = self.engine.grammars
 
-        def add() -> None:
+        def add(prepared: Prepared | None) -> None:
             version = None
             if adapter is not None:
                 version = self.engine.resolve_lora(adapter)
                 if version is None:
                     raise UnknownAdapter(adapter)
                 self._snapshot_adapters()  # its least-recently-used order
-            self.engine.add_request(request_id, prompt, params, adapter_id=version)
+            if prepared is not None:
+                grammars.hand_over(request_id, prepared)
+            try:
+                self.engine.add_request(request_id, prompt, params, adapter_id=version)
+            except BaseException:
+                grammars.release(request_id)
+                raise
 
         try:
-            await self._call(add)
+            prepared = None if params.grammar is None else await self._compiled(params.grammar)
+            await self._call(lambda: add(prepared))
         except BaseException:
             self._tracked.pop(request_id, None)
             raise
         return tracked
+
+    async def _compiled(self, grammar: Grammar) -> Prepared:
+        """The grammar compiled in the grammar worker, waited for at most its time bound
+        (`GrammarError` past it: the compile runs on, and its result is cached)."""
+        grammars = self.engine.grammars
+        future = asyncio.wrap_future(grammars.prepare(grammar))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), grammars.compile_timeout_s)
+        except TimeoutError:
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise GrammarError(
+                f"the {grammar.kind} did not compile within {grammars.compile_timeout_s:g} s; "
+                "simplify it (fewer or shorter alternatives, a smaller schema)"
+            ) from None
 
     async def load_lora(
         self, name: str, path: Path, root: Path | None = None, evict: bool = False
@@ -260,10 +285,18 @@ class AsyncEngine:
         return list(self._adapter_names)
 
     async def abort(self, request_id: str, reason: str = "abort") -> None:
-        if self._end(request_id, reason, time.perf_counter()) is None:
+        await self.abort_all([request_id], reason)
+
+    async def abort_all(self, request_ids: list[str], reason: str = "abort") -> None:
+        """End these requests (those still running) in one engine command. Safe to call from a
+        cancelled task (a stream whose client left: anyio cancels every await there): every
+        request is ended and its abort queued before the first await."""
+        now = time.perf_counter()
+        ended = [r for r in request_ids if self._end(r, reason, now) is not None]
+        if not ended or self.dead is not None:
             return
-        if self.dead is None:
-            await self._call(lambda: self.engine.abort(request_id))
+        engine = self.engine
+        await asyncio.shield(self._call(lambda: [engine.abort(r) for r in ended]))
 
     async def stream(self, tracked: Tracked) -> AsyncIterator[RequestOutput]:
         """Outputs of one added request until it finishes; aborts it if the consumer leaves."""
@@ -275,7 +308,7 @@ class AsyncEngine:
                     return
         finally:
             if not tracked.finished:
-                await asyncio.shield(self.abort(tracked.request_id))
+                await self.abort(tracked.request_id)
 
     async def generate(
         self, request_id: str, prompt: list[int], params: SamplingParams

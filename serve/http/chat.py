@@ -19,11 +19,13 @@ from serve.http.serving import (
     RequestError,
     add_all,
     check_lengths,
+    check_token_ids,
     checked_grammar,
     collect,
     encode,
     envelope,
     event_stream,
+    grammar_field,
     merged,
     sse,
     token_strings,
@@ -87,7 +89,7 @@ def chat_job(
     params = [
         body.sampling_params(max_tokens, i, top, None, defaults, grammar) for i in range(body.n)
     ]
-    return Job([prompt], params, body.n)
+    return Job([prompt], params, body.n, grammar_field=grammar_field(body))
 
 
 def chat_logprobs(tok: PreTrainedTokenizerBase, out: RequestOutput, top_n: int) -> dict[str, Any]:
@@ -163,6 +165,7 @@ async def create_chat_completion(
 ) -> Any:
     engine, tok = server.engine, server.engine.tokenizer
     server.check_room(body.model, body.n)
+    check_token_ids(body, engine.vocab_size)
     job = await asyncio.to_thread(
         chat_job,
         body,

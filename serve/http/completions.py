@@ -20,11 +20,14 @@ from serve.http.serving import (
     RequestError,
     add_all,
     check_lengths,
+    check_prompt_ids,
+    check_token_ids,
     checked_grammar,
     collect,
     encode,
     envelope,
     event_stream,
+    grammar_field,
     merged,
     sse,
     token_strings,
@@ -40,11 +43,14 @@ def completion_job(
     tok: PreTrainedTokenizerBase,
     max_model_len: int,
     defaults: dict[str, Any] | None = None,
+    vocab_size: int | None = None,
 ) -> Job:
     """Blocking (tokenizes): call it off the event loop. `defaults`: the model's generation
     config, for the sampling fields the request leaves out (max_tokens: its max_new_tokens, else
-    16, OpenAI's default)."""
+    16, OpenAI's default). `vocab_size`: token-id prompts are checked against it first."""
     defaults = defaults or {}
+    if vocab_size is not None:
+        check_prompt_ids(body.prompts(), vocab_size)
     grammar = checked_grammar(body)
     prompts = [
         encode(tok, p, max_model_len) if isinstance(p, str) else list(p) for p in body.prompts()
@@ -59,7 +65,7 @@ def completion_job(
         for _ in prompts
         for i in range(body.n)
     ]
-    return Job(prompts, params, body.n, body.echo)
+    return Job(prompts, params, body.n, body.echo, grammar_field=grammar_field(body))
 
 
 def completion_logprobs(
@@ -142,8 +148,9 @@ async def completion_events(
 async def create_completion(body: CompletionRequest, request: Request, server: Server) -> Any:
     engine, tok = server.engine, server.engine.tokenizer
     server.check_room(body.model, len(body.prompts()) * body.n)
-    defaults = engine.sampling_defaults
-    job = await asyncio.to_thread(completion_job, body, tok, engine.max_model_len, defaults)
+    check_token_ids(body, engine.vocab_size)
+    defaults, vocab = engine.sampling_defaults, engine.vocab_size
+    job = await asyncio.to_thread(completion_job, body, tok, engine.max_model_len, defaults, vocab)
     job = dataclasses.replace(job, adapter=server.admit(body.model, len(job.params)))
     rid = new_id("cmpl")
     tracked = await add_all(engine, rid, job)

@@ -1,19 +1,26 @@
-"""ASGI middleware of the HTTP server: the body limit (and JSON by default), the API key, and
-the cross-site guard (Origin and Host checks).
+"""ASGI middleware of the HTTP server: the body limit and shape bound (and JSON by default),
+the API key, and the cross-site guard (Origin and Host checks).
 
-Both are plain ASGI callables, not `BaseHTTPMiddleware`: that one wraps `receive`, so a route
+All are plain ASGI callables, not `BaseHTTPMiddleware`: that one wraps `receive`, so a route
 never sees `http.disconnect` and a non-streaming request whose client left would run to its end.
 """
 
 from __future__ import annotations
 
 import hmac
-import re
+import ipaddress
 from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serve.http.bounds import (
+    MAX_INTEGER_DIGITS,
+    MAX_JSON_DEPTH,
+    json_depth,
+    longest_integer,
+    strip_strings,
+)
 from serve.http.protocol import MAX_PROMPTS, error_body
 
 JSON = b"application/json"
@@ -22,7 +29,6 @@ MAX_CONTAINERS = 8 * MAX_PROMPTS
 messages, content parts, tools and schemas beside them. A body of many small lists costs its
 parse (0.2 s for 300,000, on the event loop, before any field is checked) whatever the
 routes then refuse, so it is refused unparsed."""
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: linear, runs in C
 
 
 def json_containers(body: bytes) -> int:
@@ -30,8 +36,32 @@ def json_containers(body: bytes) -> int:
     left to the parser)."""
     if len(body) < 2 * MAX_CONTAINERS:  # too short to hold more
         return 0
-    bare = _STRING.sub(b"", body)
+    bare = strip_strings(body)
     return bare.count(b"[") + bare.count(b"{")
+
+
+def _shape_problem(body: bytes) -> str | None:
+    """Why a body is refused unparsed: too many or too deeply nested JSON containers, or a
+    number longer than Python's parser takes (its 4,300-digit limit for integers)."""
+    if (containers := json_containers(body)) > MAX_CONTAINERS:
+        return (
+            f"the request body holds {containers} JSON arrays and objects; at most "
+            f"{MAX_CONTAINERS} (at most {MAX_PROMPTS} prompts a request): split the request"
+        )
+    if (
+        body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH
+        and (depth := json_depth(body)) > MAX_JSON_DEPTH
+    ):
+        return (
+            f"the request body nests JSON arrays and objects {depth} deep; at most "
+            f"{MAX_JSON_DEPTH}: flatten it"
+        )
+    if (digits := longest_integer(body)) > MAX_INTEGER_DIGITS:
+        return (
+            f"the request body holds a number of {digits} digits; at most "
+            f"{MAX_INTEGER_DIGITS} (no field takes a number of more than 20)"
+        )
+    return None
 
 
 def error_response(
@@ -48,7 +78,8 @@ def error_response(
 
 class BodyLimit:
     """413 for a body over the limit, declared or streamed (chunked); 400 for one holding more
-    JSON containers than any request can use (`MAX_CONTAINERS`). The body is read here, up
+    JSON containers than any request can use (`MAX_CONTAINERS`) or nesting them deeper than
+    `MAX_JSON_DEPTH` (the parser recurses per level), both counted unparsed. The body is read here, up
     to the limit, and replayed to the app. A POST body without a JSON content type (curl's `-d`
     sends form encoding) is read as JSON, as vLLM does: every POST route here takes JSON."""
 
@@ -77,11 +108,7 @@ class BodyLimit:
             if not message.get("more_body", False):
                 break
         data = b"".join(chunks)
-        if (containers := json_containers(data)) > MAX_CONTAINERS:
-            problem = (
-                f"the request body holds {containers} JSON arrays and objects; at most "
-                f"{MAX_CONTAINERS} (at most {MAX_PROMPTS} prompts a request): split the request"
-            )
+        if (problem := _shape_problem(data)) is not None:
             return await error_response(400, problem, "body")(scope, receive, send)
         body = {"type": "http.request", "body": data, "more_body": False}
         await self.app(scope, _replay([body], receive), send)
@@ -131,8 +158,19 @@ class ApiKey:
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
-def is_loopback(host: str) -> bool:
-    return host in LOOPBACK_NAMES or host.startswith("127.")
+def is_loopback(name: str) -> bool:
+    """Whether a host name (lower case, no port or brackets) is `localhost` or a literal
+    loopback address (127.0.0.0/8, ::1, ::ffff:127.x.y.z). Compared as a name or an address,
+    never by prefix: `127.0.0.1.rebind.example` is a DNS name any page's owner can point at
+    127.0.0.1, and is not loopback."""
+    if name == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _host_name(host: str) -> str:

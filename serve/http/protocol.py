@@ -10,13 +10,30 @@ implement are accepted only at their neutral value.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from serve.core.sampling_params import SEED_MAX, SEED_MIN, Grammar, OutputKind, SamplingParams
+from serve.http.bounds import (
+    MAX_SCHEMA_DEPTH,
+    check_grammar_size,
+    check_grammar_text,
+    check_schema,
+    json_depth,
+    prompt_shape_problem,
+)
 
 MAX_N = 16
 MAX_PATH_CHARS = 4096
@@ -26,6 +43,11 @@ MAX_TOKEN_LIST = 1024
 """Entries of logit_bias and of stop_token_ids."""
 MAX_CHOICES = 256
 """Choices of a structured `choice` constraint."""
+MAX_TOKEN_ID_DIGITS = 10
+"""Digits of a token id given as a string (logit_bias keys): more than any vocabulary."""
+_TOKEN_ID = re.compile(rf"[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}")
+"""A token id as a string: ASCII digits only (`str.isdigit` also takes '²' and '①', which
+`int` refuses), and few enough of them that `int` never meets its 4,300-digit limit."""
 
 
 def _check_text(value: Any) -> None:
@@ -67,6 +89,11 @@ class JsonSchemaFormat(Strict):
     schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
     strict: bool | None = None
 
+    @field_validator("schema_")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_schema(value)
+
 
 class ResponseFormat(Strict):
     """OpenAI's `response_format`: plain text, any JSON object, or JSON under a schema."""
@@ -97,15 +124,34 @@ class StructuredOutputs(Strict):
     @field_validator("json_")
     @classmethod
     def _json_text(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
         if not isinstance(value, str):
-            return value
+            return check_schema(value)
+        check_grammar_size(value, "the schema")
+        if (depth := json_depth(value.encode("utf-8", "replace"))) > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"the schema text nests JSON {depth} deep; at most {MAX_SCHEMA_DEPTH}: flatten it"
+            )
         try:
             schema = json.loads(value)
         except ValueError as e:
             raise ValueError(f"json is a string but not JSON ({e}); send the schema") from None
         if not isinstance(schema, dict):
             raise ValueError("json must be a JSON schema object")
-        return schema
+        return check_schema(schema)
+
+    @field_validator("regex", "grammar")
+    @classmethod
+    def _bounded_text(cls, value: str | None) -> str | None:
+        return None if value is None else check_grammar_text(value, "the grammar")
+
+    @field_validator("choice")
+    @classmethod
+    def _bounded_choices(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            check_grammar_size(json.dumps(value), "the choice list")
+        return value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
@@ -170,8 +216,11 @@ class SamplingFields(Strict):
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(
+                    f"logit_bias keys are token ids (at most {MAX_TOKEN_ID_DIGITS} ASCII digits), "
+                    f"got {key[:40]!r}"
+                )
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return value
@@ -267,6 +316,18 @@ class CompletionRequest(SamplingFields):
                 "them into several requests"
             )
         return data
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """The union is checked in pydantic's core (a list of a million ids costs no Python
+        loop); only a refused prompt is walked, to say which item breaks its shape."""
+        try:
+            return handler(value)
+        except ValidationError:
+            if (problem := prompt_shape_problem(value)) is None:
+                raise
+            raise ValueError(problem) from None
 
     @field_validator("prompt")
     @classmethod

@@ -53,6 +53,8 @@ class Job:
     echo: bool = False
     adapter: str | None = None
     """The LoRA adapter every choice runs on (None: the base model)."""
+    grammar_field: str = "structured_outputs"
+    """The field that gave the output constraint (named when it fails to compile)."""
 
 
 def check_lengths(
@@ -74,6 +76,31 @@ def check_lengths(
                 "the prompt or lower max_tokens",
                 param="max_tokens",
                 code="context_length_exceeded",
+            )
+
+
+def check_token_ids(body: SamplingFields, vocab_size: int) -> None:
+    """400 naming the field for a logit_bias key or stop token id outside the vocabulary."""
+    for field, ids in (
+        ("logit_bias", [int(k) for k in body.logit_bias or {}]),
+        ("stop_token_ids", body.stop_token_ids or []),
+    ):
+        if bad := [t for t in ids if not 0 <= t < vocab_size]:
+            raise RequestError(
+                400,
+                f"{field} names token ids {bad[:5]} outside the vocabulary [0, {vocab_size})",
+                param=field,
+            )
+
+
+def check_prompt_ids(prompts: list[str | list[int]], vocab_size: int) -> None:
+    """400 naming `prompt` for a token-id prompt holding an id outside the vocabulary."""
+    for p in prompts:
+        if isinstance(p, list) and (bad := [t for t in p if not 0 <= t < vocab_size]):
+            raise RequestError(
+                400,
+                f"prompt holds token ids {bad[:5]} outside the vocabulary [0, {vocab_size})",
+                param="prompt",
             )
 
 
@@ -110,9 +137,11 @@ async def add_all(engine: AsyncEngine, base_id: str, job: Job) -> list[Tracked]:
             for i in range(job.n):
                 params = job.params[p * job.n + i]
                 added.append(await engine.add(f"{base_id}-{p}-{i}", prompt, params, job.adapter))
+    except GrammarError as e:
+        await engine.abort_all([t.request_id for t in added])
+        raise RequestError(400, str(e), job.grammar_field) from e
     except BaseException:
-        for t in added:
-            await engine.abort(t.request_id)
+        await engine.abort_all([t.request_id for t in added])
         raise
     return added
 
@@ -136,8 +165,7 @@ async def collect(
         if not gathered.done() and await disconnected():
             gathered.cancel()
             gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
-            for t in tracked:
-                await engine.abort(t.request_id)
+            await engine.abort_all([t.request_id for t in tracked])
             raise ClientGone()
     return gathered.result()
 
@@ -159,9 +187,9 @@ async def merged(
     finally:
         for read in reads:
             read.cancel()
-        for t in tracked:
-            if not t.finished:
-                await asyncio.shield(engine.abort(t.request_id))
+        # every choice at once: a stream whose client left runs this in a cancelled scope,
+        # where each await is cancelled again (one abort per await left n - 1 running)
+        await engine.abort_all([t.request_id for t in tracked if not t.finished])
 
 
 def checked_grammar(body: SamplingFields) -> Grammar | None:
@@ -172,9 +200,12 @@ def checked_grammar(body: SamplingFields) -> Grammar | None:
         try:
             route(grammar)
         except GrammarError as e:
-            param = "structured_outputs" if body.structured_outputs else "response_format"
-            raise RequestError(400, str(e), param) from e
+            raise RequestError(400, str(e), grammar_field(body)) from e
     return grammar
+
+
+def grammar_field(body: SamplingFields) -> str:
+    return "structured_outputs" if body.structured_outputs else "response_format"
 
 
 def usage(outputs: list[RequestOutput], prompts: list[list[int]]) -> dict[str, int]:

@@ -101,7 +101,8 @@ class ServerState:
             raise model_not_found(model, base)
 
     def check_room(self, model: str, num_requests: int) -> None:
-        """404 / 503 now, before any work, when the request could not be admitted; `admit`
+        """404 / 503 now, before any work, when the request could not be admitted (each of its
+        prompts x `n` choices counts as a request); `admit`
         decides (again) when the requests are added, with nothing awaited in between."""
         self.check_model(model)
         engine = self.engine

@@ -12,6 +12,13 @@ a GPU) in a worker thread while the model runs. After sampling, the matchers con
 tokens the same way. Once a grammar is complete, or a matcher has rejected a token, only
 end-of-sequence is allowed, so the request ends by itself.
 
+Compiling a grammar (seconds for 256 choices of 600 characters) happens before the request
+reaches the engine: `prepare` runs `compile` in the grammar worker, a thread beside the step
+loop (xgrammar releases the GIL), the server waits for it at most `compile_timeout_s`, and the
+compiled grammar is handed over with the request's add; the engine thread only builds the
+matcher. Compiled grammars stay in xgrammar's cache, bounded by `cache_bytes` (least recently
+used evicted); the offline API, with nothing handed over, compiles on add.
+
 Deferred masks (`deferrable` requests: greedy, nothing else acting on the row, an xgrammar
 matcher, a CPU forward): the mask is not computed before the forward; the row's free argmax is
 offered to the matcher instead, and only when it rejects it is the mask computed and the masked
@@ -24,16 +31,18 @@ request whose token was rejected gets its next mask up front, then is deferred a
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from serve.core.sampling_params import Grammar
+from serve.core.sampling_params import MAX_GRAMMAR_CHARS, Grammar
 from serve.model.grammar_engines import (
     JSON_SEPARATORS,
     GrammarError,
+    Route,
     _llguidance,
     _xgrammar,
     route,
@@ -43,7 +52,23 @@ from serve.model.greedy import pack_allowed
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["Bitmasks", "GrammarBackend", "GrammarError"]
+__all__ = ["Bitmasks", "GrammarBackend", "GrammarError", "Prepared"]
+
+COMPILE_TIMEOUT_S = 60.0
+"""How long a request waits for its grammar to compile (queued behind others included) before
+it is refused (the compile itself runs on to its end in the worker, and its result is cached).
+256 choices of 600 characters took 8 s on an idle 2-core CPU, over 30 s on a loaded one."""
+CACHE_BYTES = 256 << 20
+"""Compiled xgrammar grammars kept (xgrammar's own cache, least recently used evicted)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A grammar made ready for a matcher: its route, and xgrammar's compiled grammar (None
+    for llguidance, whose matcher reads the route's grammar text)."""
+
+    route: Route
+    compiled: Any = None
 
 
 @dataclass(frozen=True)
@@ -92,31 +117,62 @@ class GrammarBackend:
         self.counts = {"masks": 0, "deferred": 0, "rejected": 0}
         """Masks computed, masks deferred, deferred tokens rejected (so masked after all)."""
         self.overlap = overlap
+        self.cache_bytes = CACHE_BYTES
+        """The compiled-grammar cache's bound (read when the compiler is first built)."""
+        self.compile_timeout_s = COMPILE_TIMEOUT_S
         self._llg_tokenizer: Any = None
         self._xgr_compiler: Any = None
         self._xgr_batch: Any = None
         self._worker: ThreadPoolExecutor | None = None
+        self._compiling = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._lazy = threading.Lock()
+        self._prepared: dict[str, Prepared] = {}
+        """Grammars compiled off the step loop, by the request id that will add them."""
         eos = torch.zeros(vocab_size, dtype=torch.bool)
         eos[self.eos_ids] = True
         self._eos_words = pack_allowed(eos)
 
-    def _llguidance_matcher(self, text: str) -> Any:
-        llg = _llguidance()
-        if self._llg_tokenizer is None:
-            self._llg_tokenizer = llg.hf.from_tokenizer(
-                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids or None
-            )
-        return llg.LLMatcher(self._llg_tokenizer, text, log_level=0)
+    def _llguidance_tokenizer(self) -> Any:
+        with self._lazy:
+            if self._llg_tokenizer is None:
+                self._llg_tokenizer = _llguidance().hf.from_tokenizer(
+                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids or None
+                )
+        return self._llg_tokenizer
 
-    def _xgrammar_matcher(self, kind: str, text: str) -> Any:
+    def _xgrammar_compiler(self) -> Any:
         xgr = _xgrammar()
-        if self._xgr_compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids or None
-            )
-            self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1)  # caches by source
-            self._xgr_batch = xgr.BatchGrammarMatcher(max_threads="auto" if self.overlap else 1)
+        with self._lazy:
+            if self._xgr_compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.hf_tokenizer,
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=self.eos_ids or None,
+                )
+                self._xgr_compiler = xgr.GrammarCompiler(
+                    info, max_threads=1, cache_limit_bytes=self.cache_bytes
+                )
+                self._xgr_batch = xgr.BatchGrammarMatcher(max_threads="auto" if self.overlap else 1)
+        return self._xgr_compiler
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes held by the compiled-grammar cache."""
         compiler = self._xgr_compiler
+        return 0 if compiler is None else int(compiler.get_cache_size_bytes())
+
+    def compile(self, grammar: Grammar) -> Prepared:
+        """Route and compile `grammar` (blocking: seconds for a large one; `prepare` runs it
+        off the step loop); raises `GrammarError` naming what cannot be enforced."""
+        if len(grammar.spec) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(
+                f"the {grammar.kind} is {len(grammar.spec)} characters; at most {MAX_GRAMMAR_CHARS}"
+            )
+        chosen = route(grammar)
+        if chosen.engine != "xgrammar":
+            self._llguidance_tokenizer()
+            return Prepared(chosen)
+        compiler, (kind, text) = self._xgrammar_compiler(), chosen.source
         if kind == "json":
             compiled = compiler.compile_json_schema(
                 text, any_whitespace=False, separators=JSON_SEPARATORS
@@ -125,23 +181,35 @@ class GrammarBackend:
             compiled = compiler.compile_regex(text)
         else:
             compiled = compiler.compile_grammar(text)
-        return xgr.GrammarMatcher(compiled)
+        return Prepared(chosen, compiled)
+
+    def prepare(self, grammar: Grammar) -> Future[Prepared]:
+        """`compile` in the grammar worker (one thread, beside the step loop): a request waits
+        there for its grammar, not in the engine, so it holds up no other request."""
+        return self._compiling.submit(self.compile, grammar)
+
+    def hand_over(self, request_id: str, prepared: Prepared) -> None:
+        """The grammar `prepare` made for `request_id`, for its `add` (on the engine thread)."""
+        self._prepared[request_id] = prepared
 
     def add(self, request_id: str, grammar: Grammar, deferrable: bool = False) -> None:
-        """`deferrable`: the request is greedy and nothing but the grammar acts on its row."""
-        chosen = route(grammar)
-        if chosen.engine == "xgrammar":
-            self.matchers[request_id] = self._xgrammar_matcher(*chosen.source)
+        """`deferrable`: the request is greedy and nothing but the grammar acts on its row.
+        Uses the grammar handed over for this request, else compiles it here."""
+        prepared = self._prepared.pop(request_id, None) or self.compile(grammar)
+        if prepared.compiled is not None:
+            self.matchers[request_id] = _xgrammar().GrammarMatcher(prepared.compiled)
             self.batched.add(request_id)
             if deferrable and not self.overlap:
                 self.deferrable.add(request_id)
             return
-        matcher = self._llguidance_matcher(chosen.source[1])
+        text = prepared.route.source[1]
+        matcher = _llguidance().LLMatcher(self._llguidance_tokenizer(), text, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the {grammar.kind} cannot be enforced: {matcher.get_error()}")
         self.matchers[request_id] = matcher
 
     def release(self, request_id: str) -> None:
+        self._prepared.pop(request_id, None)
         self.matchers.pop(request_id, None)
         self.batched.discard(request_id)
         self.ended.discard(request_id)

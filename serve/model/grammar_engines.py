@@ -16,8 +16,9 @@ its tokens on blank lines), properties in the schema's order.
 
 from __future__ import annotations
 
-import functools
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,14 +140,55 @@ def _xgrammar_checks(source: tuple[str, str]) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=256)
+class RouteCache:
+    """Routes by grammar, least recently used evicted, bounded by the characters they hold
+    (a grammar's spec and its engine's text): a bound on entries alone let 256 large schemas
+    hold hundreds of megabytes. Thread-safe (the HTTP workers and the grammar worker share it)."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars, self.chars = max_chars, 0
+        self._routes: OrderedDict[Grammar, Route] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def size(grammar: Grammar, chosen: Route) -> int:
+        return len(grammar.spec) + len(chosen.source[1])
+
+    def get(self, grammar: Grammar) -> Route | None:
+        with self._lock:
+            chosen = self._routes.get(grammar)
+            if chosen is not None:
+                self._routes.move_to_end(grammar)
+            return chosen
+
+    def put(self, grammar: Grammar, chosen: Route) -> None:
+        with self._lock:
+            if grammar in self._routes:
+                return
+            self._routes[grammar] = chosen
+            self.chars += self.size(grammar, chosen)
+            while self.chars > self.max_chars and len(self._routes) > 1:
+                old, gone = self._routes.popitem(last=False)
+                self.chars -= self.size(old, gone)
+
+
+ROUTES = RouteCache(64 << 20)
+"""The routes of recent grammars: 64M characters at most."""
+
+
 def route(grammar: Grammar) -> Route:
     """The engine that enforces `grammar`, checked; raises `GrammarError` naming the problem
-    when neither can. Cached: the HTTP layer checks each request's grammar before admitting it."""
-    source = _xgrammar_source(grammar)
-    if source is not None and _xgrammar_checks(source):
-        return Route("xgrammar", source)
-    return Route("llguidance", ("lark", grammar_text(grammar)))
+    when neither can. Cached (`ROUTES`): the HTTP layer checks each request's grammar before
+    admitting it, the grammar worker routes it again."""
+    chosen = ROUTES.get(grammar)
+    if chosen is None:
+        source = _xgrammar_source(grammar)
+        if source is not None and _xgrammar_checks(source):
+            chosen = Route("xgrammar", source)
+        else:
+            chosen = Route("llguidance", ("lark", grammar_text(grammar)))
+        ROUTES.put(grammar, chosen)
+    return chosen
 
 
 def grammar_text(grammar: Grammar) -> str:

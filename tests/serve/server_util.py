@@ -137,19 +137,19 @@ def slow_steps_until_abort(server: ThreadServer, monkeypatch: object) -> list[st
     is still running when its client leaves, however fast the machine; returns the request ids
     whose abort was asked (filled as it happens)."""
     asked: list[str] = []
-    real_step, real_abort = server.engine.engine.step, server.engine.abort
+    real_step, real_abort = server.engine.engine.step, server.engine.abort_all
 
     def step():  # type: ignore[no-untyped-def]
         if not asked:
             time.sleep(0.02)
         return real_step()
 
-    async def abort(request_id: str) -> None:
-        asked.append(request_id)
-        await real_abort(request_id)
+    async def abort_all(request_ids: list[str], reason: str = "abort") -> None:
+        asked.extend(request_ids)
+        await real_abort(request_ids, reason)
 
     monkeypatch.setattr(server.engine.engine, "step", step)  # type: ignore[attr-defined]
-    monkeypatch.setattr(server.engine, "abort", abort)  # type: ignore[attr-defined]
+    monkeypatch.setattr(server.engine, "abort_all", abort_all)  # type: ignore[attr-defined]
     return asked
 
 

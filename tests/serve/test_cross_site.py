@@ -92,6 +92,30 @@ def test_dns_rebinding_a_foreign_host_is_refused_on_loopback(server: ThreadServe
         assert httpx.get(f"{server.url}/v1/models", headers={"host": host}).status_code == 200
 
 
+REBINDING_NAMES = ("127.0.0.1.rebind.evil.example", "127.attacker.example", "127.1", "127.0.0.1.")
+"""DNS names (and non-canonical spellings) that merely start like a loopback address."""
+
+
+@pytest.mark.parametrize("name", REBINDING_NAMES)
+def test_host_with_loopback_prefix_is_refused(server: ThreadServer, name: str) -> None:
+    """Issue 67.1: the Host check compared by prefix (`127.`), so a rebinding name starting
+    with it read GET routes and drove same-origin POSTs."""
+    port = server.url.rsplit(":", 1)[1]
+    for host in (name, f"{name}:{port}"):
+        r = httpx.get(f"{server.url}/v1/models", headers={"host": host})
+        assert r.status_code == 403, host
+        assert "is not a loopback name" in r.json()["error"]["message"]
+        same_origin = {"host": host, "origin": f"http://{host}"}
+        posted = httpx.post(f"{server.url}/v1/completions", json=BODY, headers=same_origin)
+        assert posted.status_code == 403, host
+
+
+def test_literal_loopback_addresses_are_accepted_as_hosts(server: ThreadServer) -> None:
+    port = server.url.rsplit(":", 1)[1]
+    for host in ("127.0.0.2", f"127.255.0.1:{port}", "[0:0:0:0:0:0:0:1]", "[::ffff:127.0.0.1]"):
+        assert httpx.get(f"{server.url}/v1/models", headers={"host": host}).status_code == 200
+
+
 def test_allowed_hosts_and_a_non_loopback_bind_accept_other_names(
     model_dirs: dict[str, Path],
 ) -> None:

@@ -301,6 +301,62 @@ def test_client_disconnect_aborts_a_non_streaming_request(
     assert engine.scheduler.pool.num_free_blocks == engine.runner.num_blocks
 
 
+def _leave_after_first_chunk(url: str, body: dict) -> None:
+    """Open a stream, read its first chunk, and go away (the connection is closed)."""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+
+
+def test_disconnect_aborts_every_choice_of_an_n_8_stream(
+    server: ThreadServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 67.6: the stream's cleanup awaited one abort per choice in a cancelled scope, so
+    only the first was asked and 7 of 8 ran on. Steps are slowed until an abort is asked, so
+    every choice is still running when the client leaves."""
+    engine = server.engine.engine
+    asked = slow_steps_until_abort(server, monkeypatch)
+    body = {"model": "test-model", "prompt": [11, 12], "max_tokens": 400, "ignore_eos": True}
+    _leave_after_first_chunk(server.url, {**body, "n": 8, "stream": True})
+    wait_engine_drained(server)
+    assert sorted(r.rsplit("-", 1)[1] for r in asked) == [str(i) for i in range(8)]
+    assert engine.scheduler.pool.num_free_blocks == engine.runner.num_blocks
+
+
+def test_clients_that_leave_n_16_streams_do_not_wedge_the_server(
+    server: ThreadServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked = slow_steps_until_abort(server, monkeypatch)
+    body = {"model": "test-model", "prompt": [11, 12], "max_tokens": 400, "ignore_eos": True}
+    for _ in range(4):
+        _leave_after_first_chunk(server.url, {**body, "n": 16, "stream": True})
+    wait_engine_drained(server)
+    assert len(set(asked)) == 64
+    normal = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 4}, timeout=60)
+    assert normal.status_code == 200 and normal.json()["usage"]["completion_tokens"] == 4
+
+
+def test_n_counts_against_max_waiting_as_n_requests(model_dirs: dict[str, Path]) -> None:
+    """Issue 67.6: each of a request's prompts x n choices counts against --max-waiting as a
+    request would, before any work (nothing is added, nothing is left queued)."""
+    s = start_thread_server(model_dirs["llama"], max_waiting=8)
+    try:
+        body = {"model": "test-model", "prompt": [11, 12], "max_tokens": 2}
+        chat = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "n": 9}
+        for path, over in (
+            ("/v1/completions", {**body, "n": 9}),
+            ("/v1/completions", {**body, "prompt": [[11]] * 3, "n": 3}),
+            ("/v1/chat/completions", chat),
+        ):
+            r = httpx.post(f"{s.url}{path}", json=over, timeout=60)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert s.engine.num_unfinished == 0 and not s.engine.engine.scheduler.requests
+        ok = httpx.post(f"{s.url}/v1/completions", json={**body, "n": 8}, timeout=60)
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 8
+    finally:
+        s.stop()
+
+
 def test_api_key_guards_every_route_but_health(model_dirs: dict[str, Path]) -> None:
     s = start_thread_server(model_dirs["llama"], api_key="sekret")
     try:
