@@ -1,0 +1,270 @@
+"""Paged attention through FlexAttention: one call a layer for every decode of the step, one for
+every prefill chunk (`flex`).
+
+Model: each batch of `serve/model/query_batches.py` is one `flex_attention` call over queries
+`[B, heads, max_query_len, head_dim]` with a `BlockMask` built from the batch's block tables:
+for every (sequence, query block of `Q_BLOCK` rows) the KV blocks its queries can see, from the
+one holding the first key of the window (or the context) to the one holding the block's last
+query; blocks past a query block, before its window, and padding rows are never read. The mask
+function then decides each (query, key) pair with `visible`, so it alone is exact; the block
+lists only save work.
+
+Two layouts of the keys and values:
+- `paged` (CUDA): the layer's cache itself, `[1, kv_heads, num_blocks * block_size, head_dim]`,
+  read in place; the block lists name physical blocks. A key's position is its block's index in
+  the sequence's table (`block_position`, scattered from the tables each step) times the block
+  size plus its offset, and the key is the sequence's only if the table holds that block there.
+  NOTE: this relies on a block having one table index in every table that holds it: prefix-cache
+  blocks are keyed by a hash chaining every earlier block (`serve/core/block_pool.py`), so a
+  shared block sits at the same index in every sequence; a private block is in one table.
+- `gathered` (an int8 cache, and the CPU): each sequence's blocks gathered (an int8 cache
+  dequantized) into `[B, kv_heads, W * block_size, head_dim]`; positions are offsets. Used where
+  the cache is not in the queries' dtype, and on the CPU, where flex_attention runs eagerly (its
+  unfused implementation scores every key of the layout: in place, the whole cache).
+
+On CUDA `flex_attention` goes through `torch.compile` (Triton kernels, compiled once per shape
+class: query lengths are rounded up to a power of two to bound them); on the CPU it runs eagerly
+(the CPU default stays the C kernels of `paged-cpu`: compiling flex for the CPU takes 20-30 s a
+shape here).
+NOTE: no host sync and no data-dependent shape on either path; shapes follow from (B,
+max_query_len, W, num_blocks), so the decode call can be captured in a CUDA graph once compiled.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Literal
+
+import torch
+
+from serve.model.attention import AttentionMetadata, _gather_batch
+from serve.model.kv_cache import Int8KV, KVTensor
+from serve.model.query_batches import QueryBatch, step_batches, visible
+
+Layout = Literal["paged", "gathered"]
+Q_BLOCK = 16
+"""Query rows per block of the mask (and the kernel's BLOCK_M on CUDA)."""
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def flex_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def unsupported_reason(device: torch.device, block_size: int, head_dim: int) -> str | None:
+    """Why the flex backend cannot run here (None: it can): on CUDA the kernel's key block is
+    the cache block, so both it and the head dim must be powers of two of at least 16."""
+    if not flex_available():
+        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
+    if device.type != "cuda":
+        return None
+
+    def fits(n: int) -> bool:
+        return n >= 16 and n & (n - 1) == 0
+
+    if not fits(block_size):
+        return f"block size {block_size} is not a power of two >= 16 (FlexAttention's KV block)"
+    if not fits(head_dim):
+        return f"head dim {head_dim} is not a power of two >= 16"
+    return None
+
+
+@cache
+def _compiled_flex() -> Callable[..., Any]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, fullgraph=True)
+
+
+def _flex(device: torch.device) -> Callable[..., Any]:
+    if device.type == "cuda":
+        return _compiled_flex()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+@dataclass(frozen=True)
+class FlexBatch:
+    """One batch's block mask and what its mask function reads."""
+
+    batch: QueryBatch
+    layout: Layout
+    block_size: int
+    q_len: int
+    """The padded query length: `max_query_len` rounded up (a power of two on CUDA)."""
+    block_position: torch.Tensor | None
+    """paged: [num_blocks + 1] each block's index in the table holding it (the last entry takes
+    the padding's writes)."""
+
+    def key_position(self, b: torch.Tensor, kv_idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(the key's position in sequence b, whether the key is sequence b's)."""
+        if self.block_position is None:
+            return kv_idx, torch.ones_like(kv_idx, dtype=torch.bool)
+        block = kv_idx // self.block_size
+        index = self.block_position[block].clamp(max=self.batch.block_tables.shape[1] - 1)
+        owned = self.batch.block_tables[b, index] == block
+        return index * self.block_size + kv_idx % self.block_size, owned
+
+    def mask_mod(self, window: int | None) -> MaskMod:
+        context, query_lens, seq_lens = (
+            self.batch.context_lens,
+            self.batch.query_lens,
+            self.batch.seq_lens,
+        )
+
+        def mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            k_pos, owned = self.key_position(b, kv_idx)
+            seen = visible(context[b] + q_idx, k_pos, seq_lens[b], window)
+            return owned & seen & (q_idx < query_lens[b])
+
+        return mask
+
+    def kv_blocks(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, 1, q blocks] blocks each query block reads, [B, 1, q blocks, W] which: table
+        entries (paged) or table indices (gathered), from the first the block can see)."""
+        batch, bs = self.batch, self.block_size
+        q_first = torch.arange(0, self.q_len, Q_BLOCK, device=batch.starts.device)
+        first_pos = batch.context_lens[:, None] + q_first[None, :]
+        last_pos = torch.minimum(first_pos + Q_BLOCK, batch.seq_lens[:, None]) - 1
+        if window is None:
+            first_block = torch.zeros_like(first_pos)
+        else:
+            first_block = (first_pos - window + 1).clamp(min=0) // bs
+        count = last_pos // bs - first_block + 1
+        count = torch.where(q_first[None, :] < batch.query_lens[:, None], count, 0)
+        width = batch.block_tables.shape[1]
+        index = first_block[:, :, None] + torch.arange(width, device=q_first.device)
+        index = index.clamp_(max=width - 1)
+        if self.layout == "paged":
+            rows = torch.arange(batch.size, device=q_first.device)[:, None, None]
+            index = batch.block_tables[rows, index]
+        return count[:, None].int(), index[:, None].int()
+
+    def block_mask(self, window: int | None, num_keys: int) -> Any:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        count, index = self.kv_blocks(window)
+        return BlockMask.from_kv_blocks(
+            count,
+            index,
+            BLOCK_SIZE=(Q_BLOCK, self.block_size),
+            mask_mod=self.mask_mod(window),
+            seq_lengths=(self.q_len, num_keys),
+            compute_q_blocks=False,
+        )
+
+
+def padded_query_len(n: int, device: torch.device) -> int:
+    """`n` rounded up: to a power of two on CUDA (a bounded set of compiled shapes)."""
+    return 1 << (n - 1).bit_length() if device.type == "cuda" else n
+
+
+def scatter_block_positions(position: torch.Tensor, batch: QueryBatch, block_size: int) -> None:
+    """position[block] = its index in the table that holds it, for every block of the batch's
+    contexts; table padding writes into the spare last entry."""
+    tables = batch.block_tables
+    index = torch.arange(tables.shape[1], device=tables.device)[None, :].expand_as(tables)
+    used = index < (batch.seq_lens[:, None] + block_size - 1) // block_size
+    spare = torch.full_like(tables, position.shape[0] - 1)
+    position.index_put_((torch.where(used, tables, spare),), index)
+
+
+class FlexAttentionBackend:
+    decode_group_size: int | None = None
+
+    def __init__(self, layout: Layout | None = None) -> None:
+        self.layout = layout
+        """None: `paged` on CUDA for a cache in the queries' dtype, else `gathered`."""
+        self._position: torch.Tensor | None = None
+        self._step: tuple[AttentionMetadata, list[FlexBatch]] | None = None
+        self._masks: dict[tuple[int, int | None], Any] = {}
+
+    def layout_for(self, q: torch.Tensor, k_cache: KVTensor) -> Layout:
+        if isinstance(k_cache, Int8KV):
+            return "gathered"
+        return self.layout or ("paged" if q.device.type == "cuda" else "gathered")
+
+    def block_position(self, k_cache: KVTensor) -> torch.Tensor:
+        """The persistent [num_blocks + 1] block -> table index map (allocated on first use)."""
+        n = k_cache.shape[0] + 1
+        if self._position is None or self._position.shape[0] != n:
+            device = k_cache.data.device if isinstance(k_cache, Int8KV) else k_cache.device
+            self._position = torch.zeros(n, dtype=torch.long, device=device)
+        return self._position
+
+    def batches(
+        self, q: torch.Tensor, k_cache: KVTensor, meta: AttentionMetadata
+    ) -> list[FlexBatch]:
+        """The step's flex batches, built by its first layer and kept for the others."""
+        if self._step is not None and self._step[0] is meta:
+            return self._step[1]
+        layout, bs = self.layout_for(q, k_cache), k_cache.shape[1]
+        position = self.block_position(k_cache) if layout == "paged" else None
+        made = []
+        for batch in step_batches(meta):
+            if batch is None:
+                continue
+            if position is not None:
+                scatter_block_positions(position, batch, bs)
+            q_len = padded_query_len(batch.max_query_len, q.device)
+            made.append(FlexBatch(batch, layout, bs, q_len, position))
+        self._step, self._masks = (meta, made), {}
+        return made
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: KVTensor,
+        v_cache: KVTensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        out = q.new_empty(q.shape[0] + 1, *q.shape[1:])
+        for i, fb in enumerate(self.batches(q, k_cache, meta)):
+            k, v = self.keys_and_values(k_cache, v_cache, fb)
+            mask = self._masks.get((i, window))
+            if mask is None:
+                mask = self._masks[i, window] = fb.block_mask(window, k.shape[2])
+            queries = fb.batch.gather_queries(q)
+            queries = torch.nn.functional.pad(queries, (0, 0, 0, fb.q_len - queries.shape[2]))
+            o = run_flex(queries, k, v, mask, scale, fb.block_size)
+            fb.batch.scatter_outputs(out, o[:, :, : fb.batch.max_query_len])
+        return out[:-1]
+
+    @staticmethod
+    def keys_and_values(
+        k_cache: KVTensor, v_cache: KVTensor, fb: FlexBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[1 or B, kv_heads, keys, head_dim] K and V in the batch's layout."""
+        if fb.layout == "gathered":
+            tables = fb.batch.block_tables
+            return _gather_batch(k_cache, tables), _gather_batch(v_cache, tables)
+        assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+        flat = (1, -1, *k_cache.shape[2:])
+        return k_cache.view(flat).transpose(1, 2), v_cache.view(flat).transpose(1, 2)
+
+
+def run_flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: float, block_size: int
+) -> torch.Tensor:
+    """flex_attention over the block mask; on CUDA with the kernel's blocks set to the mask's
+    (BLOCK_N the cache block: the kernel never straddles two KV blocks)."""
+    if q.device.type == "cuda":
+        options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_BLOCK, "BLOCK_N": block_size}
+        return _flex(q.device)(
+            q, k, v, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=options
+        )
+    with warnings.catch_warnings():  # eager on the CPU by choice (see the module's model)
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return _flex(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)

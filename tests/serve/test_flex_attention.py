@@ -1,0 +1,151 @@
+"""The one-call-per-kind backends (`flex` in both KV layouts, `padded-sdpa`) against the
+reference backend within float32 rounding, on steps built as the engine builds them: decodes,
+prefills, both mixed, chunked prefill, prefix hits, sliding windows, an int8 cache, GQA; the
+flex block lists against the mask they stand for; and no host sync on the decode path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from serve.model import flex_attention
+from serve.model.attention import AttentionBackend
+from serve.model.flex_attention import FlexAttentionBackend, FlexBatch
+from serve.model.padded_attention import PaddedSDPABackend
+from serve.model.query_batches import step_batches
+from tests.serve.attention_steps import Shape, Step, make_step
+
+BACKENDS = {
+    "flex-paged": lambda: FlexAttentionBackend("paged"),
+    "flex-gathered": lambda: FlexAttentionBackend("gathered"),
+    "padded-sdpa": PaddedSDPABackend,
+}
+STEPS = {
+    "decode-only": [(0, 1), (6, 1), (15, 1), (16, 1), (40, 1), (99, 1)],
+    "prefill-only": [(0, 5), (0, 33), (0, 16)],
+    "mixed": [(20, 1), (47, 1), (0, 30), (0, 7)],
+    "mixed-interleaved": [(0, 30), (20, 1), (0, 7), (47, 1)],
+    "chunked-prefill": [(16, 20), (37, 11), (3, 40), (63, 1)],
+}
+SHAPES = {
+    "gqa": Shape(heads=8, kv_heads=2),
+    "mha": Shape(heads=4, kv_heads=4),
+    "mqa": Shape(heads=4, kv_heads=1, head_dim=32, block_size=8),
+}
+
+
+def assert_matches_reference(step: Step, backend: AttentionBackend, window: int | None) -> None:
+    expected = step.reference(window)
+    torch.testing.assert_close(step.attend(backend, window), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("steps", STEPS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_equals_the_reference(backend: str, steps: str, shape: str) -> None:
+    impl = BACKENDS[backend]()
+    step = make_step(STEPS[steps], SHAPES[shape], impl)
+    assert_matches_reference(step, impl, None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [1, 7, 16, 1000])
+@pytest.mark.parametrize("steps", ["mixed", "chunked-prefill"])
+def test_sliding_window_equals_the_reference(backend: str, window: int, steps: str) -> None:
+    """Windows of 1, under a block, of a block (Gemma 3's test models: 16) and past every
+    context, over chunks that start inside, at and past the window."""
+    impl = BACKENDS[backend]()
+    step = make_step(STEPS[steps], Shape(), impl)
+    assert_matches_reference(step, impl, window)
+    if window < 40:
+        assert not torch.allclose(step.reference(), step.reference(window))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefix_hit_shared_blocks_equal_the_reference(backend: str) -> None:
+    """Three sequences start on the same two physical blocks (a prefix-cache hit): decoding,
+    prefilling after the hit, and the one that wrote them."""
+    impl = BACKENDS[backend]()
+    step = make_step([(40, 8), (32, 1), (45, 20)], Shape(), impl, shared_blocks=2)
+    tables = [t for b in step_batches(step.meta) if b is not None for t in b.block_tables]
+    assert len({int(t[0]) for t in tables}) == 1
+    assert_matches_reference(step, impl, None)
+    assert_matches_reference(step, impl, 16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [None, 16])
+def test_int8_kv_cache_equals_the_reference(backend: str, window: int | None) -> None:
+    """Codes and scales as the cache stores them, keys divided by a power-of-two smoothing."""
+    impl = BACKENDS[backend]()
+    step = make_step(STEPS["chunked-prefill"], Shape(kv_cache_dtype="int8"), impl)
+    assert_matches_reference(step, impl, window)
+
+
+@pytest.mark.parametrize("layout", ["paged", "gathered"])
+@pytest.mark.parametrize("window", [None, 5, 16, 40])
+def test_block_lists_are_exactly_the_blocks_with_a_visible_key(
+    layout: str, window: int | None
+) -> None:
+    """On CUDA the kernel reads only the listed blocks (eagerly, flex scores every key): every
+    block holding a key some query of a query block sees is listed, and no other."""
+    backend = FlexAttentionBackend(layout)  # type: ignore[arg-type]
+    step = make_step(STEPS["chunked-prefill"], Shape(block_size=8), backend)
+    fb = backend.batches(step.q, step.k_cache, step.meta)[-1]  # the prefill chunks
+    assert fb.batch.max_query_len == 40
+    count, index = fb.kv_blocks(window)
+    bs = fb.block_size
+    num_keys = step.k_cache.shape[0] * bs if layout == "paged" else index.shape[-1] * bs
+    b, q, kv = torch.meshgrid(
+        torch.arange(fb.batch.size), torch.arange(fb.q_len), torch.arange(num_keys), indexing="ij"
+    )
+    seen = fb.mask_mod(window)(b, torch.zeros_like(b), q, kv)
+    for s in range(fb.batch.size):
+        for qb in range(count.shape[-1]):
+            rows = seen[s, qb * 16 : (qb + 1) * 16]
+            wanted = {k // bs for k in rows.any(0).nonzero().flatten().tolist()}
+            listed = set(index[s, 0, qb, : count[s, 0, qb]].tolist())
+            assert listed == wanted, (s, qb)
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on every op that reads a device value back to the host."""
+
+    SYNCS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func._schema.name in self.SYNCS:
+            raise AssertionError(f"host sync: {func._schema.name}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_path_reads_nothing_back_to_the_host(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Everything but flex_attention's own kernel (on CUDA one compiled kernel; eagerly it
+    compiles its higher-order op, which refuses to run under a dispatch mode)."""
+    run_flex = flex_attention.run_flex
+
+    def outside_the_mode(*args: Any) -> torch.Tensor:
+        with _disable_current_modes():
+            return run_flex(*args)
+
+    monkeypatch.setattr(flex_attention, "run_flex", outside_the_mode)
+    impl = BACKENDS[backend]()
+    step = make_step(STEPS["decode-only"], Shape(), impl)
+    with NoHostSync():
+        got = step.attend(impl, 16)
+    torch.testing.assert_close(got, step.reference(16), rtol=1e-5, atol=1e-5)
+
+
+def test_flex_batch_is_built_once_a_step() -> None:
+    backend = FlexAttentionBackend("paged")
+    step = make_step(STEPS["mixed"], Shape(), backend)
+    first = backend.batches(step.q, step.k_cache, step.meta)
+    assert backend.batches(step.q, step.k_cache, step.meta) is first
+    assert [type(b) for b in first] == [FlexBatch, FlexBatch]
+    assert [b.batch.max_query_len for b in first] == [1, 30]
