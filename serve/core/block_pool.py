@@ -6,6 +6,9 @@ Model: every block is either *in use* (ref_cnt > 0, owned by one or more request
 keeps its hash until it is handed out again, so a later request with the same prefix can take it
 back (`touch`) instead of recomputing. `allocate` takes blocks from the head of the free queue
 (least recently freed first) and drops their stale hashes; `free` appends to the tail.
+Block 0 is the null block (`NULL_BLOCK_ID`, as in vLLM): it is never handed out, so padded
+block-table entries and the slots of padded rows can point at it without touching any
+request's KV; a pool of `num_blocks` hands out ids 1 .. num_blocks.
 Pure Python over ints: no torch.
 """
 
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 
 BlockHash = bytes
 """A full block's prefix-cache key (`kv_cache_manager.block_key`: a sha256 digest)."""
+NULL_BLOCK_ID = 0
+"""The reserved block: padding points here; the KV tensors hold it before the pool's blocks."""
 
 
 @dataclass(eq=False)
@@ -69,15 +74,18 @@ class FreeBlockQueue:
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        """`num_blocks` blocks to hand out (ids 1 .. num_blocks; the null block 0 is apart)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = KVBlock(NULL_BLOCK_ID)
+        self.blocks = [KVBlock(i) for i in range(NULL_BLOCK_ID + 1, num_blocks + 1)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.enable_prefix_caching = enable_prefix_caching
 
     @property
     def num_blocks(self) -> int:
+        """Blocks that can be handed out (the null block not counted)."""
         return len(self.blocks)
 
     @property
@@ -128,12 +136,14 @@ class BlockPool:
             block.block_hash = None
 
     def check_integrity(self) -> None:
-        """free + used == total; free blocks unreferenced; cache entries point at their hash."""
+        """free + used == total; free blocks unreferenced; cache entries point at their hash;
+        the null block never handed out."""
         free_ids = self.free_queue.block_ids()
+        assert self.null_block.ref_cnt == 0 and NULL_BLOCK_ID not in free_ids
         assert len(free_ids) == len(set(free_ids)) == self.num_free_blocks
         used = [b for b in self.blocks if b.ref_cnt > 0]
         assert len(free_ids) + len(used) == self.num_blocks
-        assert all(self.blocks[i].ref_cnt == 0 for i in free_ids)
+        assert all(self.blocks[i - 1].ref_cnt == 0 for i in free_ids)
         assert all(b.ref_cnt >= 0 for b in self.blocks)
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash, (

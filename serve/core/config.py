@@ -100,7 +100,8 @@ class CacheConfig:
     kv_cache_memory_fraction: Annotated[float, Range(0, 1, low_open=True)] = 0.5
     """Fraction of free GPU memory for KV when `kv_cache_bytes` is None (CUDA only)."""
     num_blocks: Annotated[int | None, Range(1)] = None
-    """Exact number of KV blocks; overrides the byte budget."""
+    """Exact number of KV blocks requests can use (the cache holds one more, the null block 0,
+    which padding points at); overrides the byte budget, which counts the null block."""
     kv_cache_dtype: KVCacheDtype = "auto"
     """auto: keys and values stored in the model's dtype; int8: symmetric int8 codes with a
     float32 scale per token and KV head (`serve/model/kv_cache.py`): 1 + 4 / head_dim bytes a
@@ -142,6 +143,11 @@ class ModelConfig:
     compile: bool = False
     """Run each step's forward through `torch.compile` (`serve/model/compilation.py`): graphs for the
     step shapes are compiled at load (seconds to minutes), float models without LoRA only."""
+    enforce_eager: bool = False
+    """On CUDA: run every step eagerly. Otherwise decode-only steps of up to `max_num_seqs`
+    sequences replay CUDA graphs captured at load, one per batch-size bucket (1, 2, 4, 8, then
+    steps of 16; `serve/model/graphs.py`); other steps run eagerly and are counted. The CPU
+    runs eagerly either way."""
     generation_config: str = "auto"
     """Default sampling settings (temperature, top_p, top_k, min_p, repetition_penalty,
     max_new_tokens) for fields a request leaves out, and extra end-of-sequence ids: `auto`, from

@@ -27,9 +27,18 @@ class EngineStats:
     """Unused slots in allocated blocks / allocated slots (0 when nothing is allocated)."""
     kv_usage: float
     """Used blocks / all blocks."""
+    decode_paths: tuple[tuple[str, int], ...] = ()
+    """Steps by how they ran once decode graphs are captured, since the engine started:
+    ("graph", n) replayed, ("eager:<reason>", n) run eagerly (prefill, batch_size, lora);
+    empty where every step runs eagerly by design (the CPU, `--enforce-eager`)."""
 
     @classmethod
-    def snapshot(cls, sched: Scheduler, last_step_tokens: int) -> EngineStats:
+    def snapshot(
+        cls,
+        sched: Scheduler,
+        last_step_tokens: int,
+        decode_paths: tuple[tuple[str, int], ...] = (),
+    ) -> EngineStats:
         pool, kv = sched.pool, sched.kv
         allocated = kv.num_slots_allocated()
         in_use = sum(r.num_computed_tokens for r in sched.running)
@@ -45,4 +54,5 @@ class EngineStats:
             num_scheduled_tokens=last_step_tokens,
             kv_waste=(allocated - in_use) / allocated if allocated else 0.0,
             kv_usage=used / pool.num_blocks,
+            decode_paths=decode_paths,
         )

@@ -40,6 +40,7 @@ from serve.model.grammar import Bitmasks, GrammarBackend, GrammarError
 from serve.model.host_memory import keep_freed_memory
 from serve.model.model_runner import (
     ModelRunner,
+    RunnerOptions,
     load_model,
     position_limit,
     resolve_device,
@@ -105,9 +106,9 @@ class LLMEngine:
             fuse_decoder_layers(hf_model)
         if model.compile and (why_not := why_not_compilable(hf_model, lora is not None)):
             raise ValueError(f"--compile cannot be used here: {why_not}; drop --compile")
-        self.runner = ModelRunner(
-            hf_model, cache, device, model.attention_backend, compile_model=model.compile, lora=lora
-        )
+        graphs = not (model.enforce_eager or model.compile)
+        options = RunnerOptions(model.attention_backend, model.compile, lora, graphs)
+        self.runner = ModelRunner(hf_model, cache, scheduler, device, options)
         self.adapters = self.runner.adapters
         max_loras = lora.max_loras if lora else None
         self.scheduler = Scheduler(scheduler, self.runner.num_blocks, cache.block_size, max_loras)
@@ -384,4 +385,6 @@ class LLMEngine:
         return outputs
 
     def stats(self) -> EngineStats:
-        return EngineStats.snapshot(self.scheduler, self.last_step_tokens)
+        graphs = self.runner.graphs
+        paths = graphs.graphs.paths() if graphs is not None else ()
+        return EngineStats.snapshot(self.scheduler, self.last_step_tokens, paths)

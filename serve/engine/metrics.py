@@ -102,6 +102,13 @@ class ServerMetrics:
             labels,
             registry=r,
         )
+        self.decode_paths = Counter(
+            "workbench:step_paths",
+            "Engine steps by path once decode graphs are captured: graph (replayed) or "
+            "eager:<reason> (prefill, batch_size, lora).",
+            [*labels, "path"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "workbench:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
         )
@@ -152,6 +159,9 @@ class ServerMetrics:
         self.prefix_queries.labels(m).inc(s.prefix_cache_queries - self._last.prefix_cache_queries)
         self.prefix_hits.labels(m).inc(s.prefix_cache_hits - self._last.prefix_cache_hits)
         self.preemptions.labels(m).inc(s.num_preemptions - self._last.num_preemptions)
+        before = dict(self._last.decode_paths)
+        for path, count in s.decode_paths:
+            self.decode_paths.labels(m, path).inc(count - before.get(path, 0))
         if step and s.num_waiting > 0 and s.kv_usage >= KV_FULL:
             self.kv_full_queued.labels(m).inc()
         self._last = s

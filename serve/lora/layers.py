@@ -54,6 +54,9 @@ class StepSlots:
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     batched: BatchedRows | None = None
+    row_slots: torch.Tensor | None = None
+    """[T]: each token row's slot (0: none), the layers gathering every row's A and B: the
+    form a captured decode graph replays (`groups` then only say which rows they were)."""
 
 
 _step_slots: ContextVar[StepSlots | None] = ContextVar("lora_step_slots", default=None)
@@ -117,6 +120,8 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = _step_slots.get()
+        if step is not None and step.row_slots is not None:
+            return self._per_row(x, y, step.row_slots)
         groups = [(slot, rows) for slot, rows in step.groups if slot in self.filled] if step else []
         if not step or not groups:
             return y
@@ -130,6 +135,15 @@ class LoraLinear(nn.Module):
             delta = (flat_x.index_select(0, rows) @ self.lora_a[slot].T) @ self.lora_b[slot].T
             flat_y.index_add_(0, rows, delta.to(flat_y.dtype))
         return flat_y.view_as(y)
+
+    def _per_row(self, x: torch.Tensor, y: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+        """y plus each row's delta through its own slot's A and B (slot 0 and slots that leave
+        this layer alone are zeros): shapes fixed by the row count, whatever the adapters."""
+        flat_x = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
+        a = self.lora_a.index_select(0, row_slots)  # [T, R, in]
+        b = self.lora_b.index_select(0, row_slots)  # [T, out, R]
+        delta = torch.bmm(torch.bmm(flat_x[:, None, :], a.transpose(1, 2)), b.transpose(1, 2))
+        return (y.reshape(-1, self.out_features) + delta[:, 0].to(y.dtype)).view_as(y)
 
     def _batched(self, x: torch.Tensor, y: torch.Tensor, batch: BatchedRows) -> torch.Tensor:
         """[T, out]: y plus every adapter's delta on its rows, in two bmm calls; gathers only

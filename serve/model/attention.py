@@ -61,7 +61,7 @@ class PrefillTable:
     seq_lens: torch.Tensor
     """[P]: tokens in context once this step's are written."""
     block_tables: torch.Tensor
-    """[P, max_blocks]: its blocks, padded with block 0."""
+    """[P, max_blocks]: its blocks, padded with block 0 (the null block)."""
 
     @staticmethod
     def of(prefills: list[SequenceSlice]) -> PrefillTable:
@@ -84,9 +84,10 @@ class DecodeGroup:
     rows: torch.Tensor
     """[S_g]: flat row of each sequence's query."""
     block_tables: torch.Tensor
-    """[S_g, max_blocks]: their blocks, padded with block 0."""
-    mask: torch.Tensor
-    """[S_g, 1, 1, max_blocks * block_size]: True where a gathered slot is in context."""
+    """[S_g, max_blocks]: their blocks, padded with block 0 (the null block)."""
+    mask: torch.Tensor | None
+    """[S_g, 1, 1, max_blocks * block_size]: True where a gathered slot is in context (made by
+    `decode_groups` for the SDPA backend; None where the backend reads `seq_lens` instead)."""
     seq_lens: torch.Tensor
     """[S_g]: tokens in context of each sequence, this step's included."""
     first_row: int | None = None
@@ -119,16 +120,47 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     """Sequences computing one token, grouped by length (`decode_group_size` per group)."""
     backend: AttentionBackend
+    # The step as flat tables over all its sequences, decodes first: views of the runner's
+    # persistent buffers (`serve/model/input_buffers.py`), whose shapes follow only from the
+    # step's counts, so a captured decode graph replays against the same tensors. Metadata made
+    # by hand (tests, benchmarks) may leave them None; `build_step_inputs` always sets them.
+    query_start_loc: torch.Tensor | None = None
+    """[S + 1]: first flat row of each sequence's queries, then T."""
+    seq_lens: torch.Tensor | None = None
+    """[S]: tokens in context of each sequence once this step's are written."""
+    block_tables: torch.Tensor | None = None
+    """[S, max_blocks_per_seq]: each sequence's blocks, padded with the null block 0."""
+    positions: torch.Tensor | None = None
+    """[T]: position of each flat row."""
+    query_lens: torch.Tensor | None = None
+    """[S]: queries of each sequence this step."""
+    num_decodes: int = 0
+    """Sequences 0 .. num_decodes - 1 compute one token each, at rows 0 .. num_decodes - 1."""
+    max_query_len: int = 0
 
     @cached_property
     def prefill_table(self) -> PrefillTable:
-        """`prefills` as one table, built by the first layer that asks and kept for the step."""
-        return PrefillTable.of(self.prefills)
+        """`prefills` as one table, built by the first layer that asks and kept for the step
+        (slices of the flat tables where the step has them)."""
+        if self.query_start_loc is None or self.query_lens is None or self.seq_lens is None:
+            return PrefillTable.of(self.prefills)
+        assert self.block_tables is not None
+        end = self.num_decodes + len(self.prefills)
+        rows = slice(self.num_decodes, end)
+        return PrefillTable(
+            self.query_start_loc[rows],
+            self.query_lens[rows],
+            self.seq_lens[rows],
+            self.block_tables[rows],
+        )
 
 
 class AttentionBackend(Protocol):
     decode_group_size: int | None
     """Decoding sequences per `DecodeGroup` (sorted by length); None: all in one group."""
+    static_decodes: bool
+    """Decode attention reads only tensors of the metadata whose shapes follow from the step's
+    counts (no per-step Python structure), so a captured decode graph can replay it."""
 
     def attend(
         self,
@@ -162,6 +194,7 @@ def _causal_mask(
 
 def _window_mask(group: DecodeGroup, window: int | None) -> torch.Tensor:
     """The decode group's mask, narrowed to each sequence's last `window` keys."""
+    assert group.mask is not None, "SDPA decodes read the mask `decode_groups` makes"
     if window is None:
         return group.mask
     pos = torch.arange(group.mask.shape[-1], device=group.mask.device)
@@ -170,8 +203,10 @@ def _window_mask(group: DecodeGroup, window: int | None) -> torch.Tensor:
 
 
 def _gather(cache: KVTensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[seq_len, kv_heads, head_dim]: one sequence's cached tokens, in order."""
-    return cache.index_select(0, block_ids).flatten(0, 1)[:seq_len]
+    """[seq_len, kv_heads, head_dim]: one sequence's cached tokens, in order (its table may be
+    padded past them)."""
+    needed = block_ids[: -(-seq_len // cache.shape[1])]
+    return cache.index_select(0, needed).flatten(0, 1)[:seq_len]
 
 
 def _gather_batch(cache: KVTensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -190,6 +225,7 @@ tokens: one padded call 7.4 ms, groups of 16 2.4 ms, one call per sequence 13 ms
 
 class SDPABackend:
     decode_group_size: int | None = DECODE_GROUP_SIZE
+    static_decodes = False
 
     def attend(
         self,
@@ -253,6 +289,8 @@ class SDPABackend:
 
 class ReferenceBackend:
     decode_group_size: int | None = None
+    static_decodes = True
+    """For the CPU stand-in graphs only: it reads the tables' values on the host."""
 
     def attend(
         self,

@@ -26,6 +26,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
+from serve.core.block_pool import NULL_BLOCK_ID
 from serve.core.kv_cache_manager import cdiv
 from serve.core.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -102,14 +103,15 @@ def warm_up(
     block_size: int,
     num_blocks: int,
 ) -> CompileReport:
-    """Run `execute` on one dummy step of each shape class (blocks from 0 up, all free now)."""
+    """Run `execute` on one dummy step of each shape class (blocks from 1 up, all free now;
+    block 0 is the null block)."""
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     start = time.perf_counter()
     for shape in WARM_UP_SHAPES:
-        chunks, next_block = [], 0
+        chunks, next_block = [], NULL_BLOCK_ID + 1
         for i, (tokens, sample) in enumerate(shape):
             blocks = cdiv(tokens, block_size)
-            if next_block + blocks > num_blocks:
+            if next_block + blocks > num_blocks + 1:
                 raise ValueError(f"the KV cache ({num_blocks} blocks) is too small to warm up")
             table = list(range(next_block, next_block + blocks))
             next_block += blocks

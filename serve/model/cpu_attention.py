@@ -167,6 +167,7 @@ def unsupported_reason(
 
 class PagedCPUBackend(SDPABackend):
     decode_group_size: int | None = None
+    static_decodes = True
 
     def __init__(self) -> None:
         lib = load_kernel()

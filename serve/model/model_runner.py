@@ -8,6 +8,7 @@ token), through the model's own head (`logits_to_keep`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,7 +17,14 @@ from transformers import PretrainedConfig, PreTrainedModel
 from compress.artifact import check_intact
 from compress.load_spec import load_model as load_artifact
 from compress.load_spec import own_dtype
-from serve.core.config import ATTENTION_BACKENDS, CacheConfig, KVCacheDtype, ModelConfig
+from serve.core.config import (
+    ATTENTION_BACKENDS,
+    CacheConfig,
+    KVCacheDtype,
+    ModelConfig,
+    SchedulerConfig,
+)
+from serve.core.kv_cache_manager import cdiv
 from serve.core.scheduler import SchedulerOutput
 from serve.lora.layers import StepSlots, lora_step_context
 from serve.lora.manager import AdapterManager, LoraConfig
@@ -29,6 +37,9 @@ from serve.model.attention import (
     step_context,
 )
 from serve.model.compilation import CompiledForward, CompileReport, warm_up
+from serve.model.graph_runner import GraphedDecodes
+from serve.model.graphs import CUDAGraphBackend, GraphBackend
+from serve.model.input_buffers import BufferLimits, StepBuffers
 from serve.model.kv_cache import KVLayout, allocate, layer_key_smoothing
 from serve.model.step_inputs import StepInputs, build_step_inputs
 
@@ -108,6 +119,15 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     return load_artifact(source, dtype=dtype, device=device, attn_implementation=ATTENTION_NAME)
 
 
+def buffer_limits(scheduler: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> BufferLimits:
+    """The step buffers' sizes: the token budget, the most running requests, and the blocks of
+    the longest context (max_model_len, or the whole cache when that is smaller)."""
+    assert scheduler.max_model_len is not None, "resolve the scheduler config first"
+    blocks = min(cdiv(scheduler.max_model_len, cache.block_size), num_blocks)
+    tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+    return BufferLimits(tokens, scheduler.max_num_seqs, blocks)
+
+
 def make_backend(
     name: str, model: PreTrainedModel, device: torch.device, layout: KVLayout
 ) -> AttentionBackend:
@@ -136,33 +156,59 @@ def make_backend(
     )
 
 
+@dataclass(frozen=True)
+class RunnerOptions:
+    """How the runner executes a step (the model and cache sizes aside)."""
+
+    attention_backend: str = "auto"
+    """A `ModelConfig.attention_backend` name."""
+    compile_model: bool = False
+    """The step forward through `torch.compile` (`--compile`)."""
+    lora: LoraConfig | None = None
+    """Serve LoRA adapters (None: the base model only)."""
+    cuda_graphs: bool = False
+    """On CUDA, replay decode steps from captured graphs (`serve/model/graphs.py`)."""
+
+
 class ModelRunner:
     def __init__(
         self,
         model: PreTrainedModel,
         cache: CacheConfig,
+        scheduler: SchedulerConfig,
         device: torch.device,
-        backend: str,
-        compile_model: bool = False,
-        lora: LoraConfig | None = None,
+        options: RunnerOptions | None = None,
     ) -> None:
+        """`scheduler`: resolved (`max_model_len` set): it sizes the persistent step buffers."""
+        options = options or RunnerOptions()
         self.model, self.device, self.block_size = model, device, cache.block_size
         # the float parameters' dtype
         self.layout = kv_layout(model, model.dtype, cache.kv_cache_dtype)
-        self.backend = make_backend(backend, model, device, self.layout)
+        self.backend = make_backend(options.attention_backend, model, device, self.layout)
         self.num_blocks = self._num_blocks(cache)
+        """KV blocks requests can use; the KV tensors hold one more, the null block 0."""
         smoothing = layer_key_smoothing(model) if cache.kv_cache_dtype == "int8" else None
-        self.kv_caches = allocate(self.layout, self.num_blocks, cache.block_size, device, smoothing)
+        self.kv_caches = allocate(
+            self.layout, self.num_blocks + 1, cache.block_size, device, smoothing
+        )
+        self.buffers = StepBuffers(
+            buffer_limits(scheduler, cache, self.num_blocks), self.block_size, device
+        )
+        lora = options.lora
         self.adapters = AdapterManager(model, lora, device, self.layout.dtype) if lora else None
         """The LoRA layers wrapped around the model's linears and their device slots."""
         self.compiled: CompiledForward | None = None
         """The forward through `torch.compile` (`--compile`); None: the model is called as is."""
         self.compile_report: CompileReport | None = None
-        if compile_model:
+        if options.compile_model:
             self.compiled = CompiledForward(model)
             self.compile_report = warm_up(
                 self.compiled, self.execute, self.block_size, self.num_blocks
             )
+        self.graphs: GraphedDecodes | None = None
+        """The captured decode graphs; None: every step runs eagerly."""
+        if options.cuda_graphs and device.type == "cuda" and self.compiled is None:
+            self.enable_graphs(CUDAGraphBackend(), scheduler.max_num_seqs)
 
     def _num_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
@@ -179,25 +225,48 @@ class ModelRunner:
                 f"{available / 2**20:.1f} MiB still free on {self.device}; "
                 "give a smaller --kv-cache-memory"
             )
-        num = budget // (self.layout.bytes_per_token() * cache.block_size)
+        num = budget // (self.layout.bytes_per_token() * cache.block_size) - 1  # the null block
         if num < 1:
             raise ValueError(
                 f"a KV budget of {budget} bytes holds no block of {cache.block_size} tokens "
-                f"({self.layout.bytes_per_token() * cache.block_size} bytes); give more KV memory"
+                f"({self.layout.bytes_per_token() * cache.block_size} bytes) beside the null "
+                "block; give more KV memory"
             )
         return num
 
     @property
     def kv_bytes(self) -> int:
-        return self.num_blocks * self.block_size * self.layout.bytes_per_token()
+        """Bytes of the KV tensors: the blocks requests can use and the null block."""
+        return (self.num_blocks + 1) * self.block_size * self.layout.bytes_per_token()
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        return build_step_inputs(out, self.block_size, self.kv_caches, self.backend, self.device)
+        return build_step_inputs(out, self.buffers, self.kv_caches, self.backend)
+
+    def enable_graphs(self, backend: GraphBackend, max_num_seqs: int) -> None:
+        """Capture decode graphs for batches of up to `max_num_seqs` sequences with `backend`;
+        from now on decode-only steps replay them. Raises ValueError naming why a model or
+        backend cannot be captured."""
+        if self.compiled is not None:
+            raise ValueError(
+                "decode graphs cannot serve this model: the forward runs through torch.compile; "
+                "use --enforce-eager or drop --compile"
+            )
+        self.graphs = GraphedDecodes(
+            self.model,
+            self.buffers,
+            self.kv_caches,
+            self.backend,
+            backend,
+            max_num_seqs,
+            lora=self.adapters is not None,
+        )
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, lora: StepSlots | None = None) -> torch.Tensor:
         """Float32 logits at `inputs.logits_rows`: [len(logits_rows), vocab]; the attention
         metadata and the step's adapters travel in the step's forward contexts."""
+        if self.graphs is not None and (bucket := self.graphs.bucket(inputs, lora)) is not None:
+            return self.graphs.run(inputs, bucket, lora)
         rows: torch.Tensor | int = inputs.logits_rows
         if self.compiled is None and len(inputs.logits_rows) == len(inputs.input_ids):
             rows = 0  # every row, ascending (a decode-only step): a view, not a gather

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from serve.core.scheduler import SchedulerOutput
+from serve.core.kv_cache_manager import cdiv
+from serve.core.scheduler import ScheduledChunk, SchedulerOutput
 from serve.model.attention import AttentionBackend, AttentionMetadata, DecodeGroup, SequenceSlice
+from serve.model.input_buffers import StepBuffers, StepCounts, decodes_first
 from serve.model.kv_cache import KVTensor
 
 
@@ -32,13 +34,13 @@ class StepInputs:
 
 
 def _logits_rows(
-    out: SchedulerOutput,
+    chunks: list[ScheduledChunk],
 ) -> tuple[list[int], dict[str, int], dict[str, tuple[int, int]]]:
     rows: list[int] = []
     sample_rows: dict[str, int] = {}
     prompt_rows: dict[str, tuple[int, int]] = {}
     start = 0
-    for chunk in out.chunks:
+    for chunk in chunks:
         n = len(chunk.token_ids)
         if chunk.prompt_logprobs:
             first = chunk.first_logprob_row
@@ -91,53 +93,84 @@ def decode_groups(
 
 def build_step_inputs(
     out: SchedulerOutput,
-    block_size: int,
+    buffers: StepBuffers,
     kv_caches: list[tuple[KVTensor, KVTensor]],
     backend: AttentionBackend,
-    device: torch.device,
 ) -> StepInputs:
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    prefills, decode_rows, decode_tables, decode_lens = [], [], [], []
+    """The step's inputs: its chunks, decodes first, written into the persistent `buffers`;
+    the tensors the forward reads are views of them."""
+    chunks = decodes_first(out.chunks)
+    counts = buffers.fill(chunks)
+    meta = attention_metadata(chunks, counts, buffers, kv_caches, backend)
+    rows, sample_rows, prompt_rows = _logits_rows(chunks)
     adapter_rows: dict[int, list[int]] = {}
-    for chunk in out.chunks:
-        start, n, table = chunk.start_pos, len(chunk.token_ids), chunk.block_ids
-        row = len(ids)
+    row = 0
+    for chunk in chunks:
+        n = len(chunk.token_ids)
         if chunk.adapter_id is not None:
             adapter_rows.setdefault(chunk.adapter_id, []).extend(range(row, row + n))
-        ids.extend(chunk.token_ids)
-        positions.extend(range(start, start + n))
-        slots.extend(
-            table[p // block_size] * block_size + p % block_size for p in range(start, start + n)
-        )
-        if n == 1:
-            decode_rows.append(row)
-            decode_tables.append(table)
-            decode_lens.append(start + 1)
-        else:
-            block_ids = torch.tensor(table, dtype=torch.long, device=device)
-            prefills.append(SequenceSlice(row, row + n, start + n, block_ids))
+        row += n
 
     def as_long(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.long, device=device)
+        return torch.tensor(x, dtype=torch.long, device=buffers.device)
 
-    meta = AttentionMetadata(
-        kv_caches=kv_caches,
-        slot_mapping=as_long(slots),
-        prefills=prefills,
-        decodes=decode_groups(
-            decode_rows, decode_tables, decode_lens, block_size, backend.decode_group_size, device
-        ),
-        backend=backend,
-    )
-    rows, sample_rows, prompt_rows = _logits_rows(out)
+    t = counts.num_tokens
     return StepInputs(
-        as_long(ids),
-        as_long(positions),
+        buffers.view("input_ids", t),
+        buffers.view("positions", t),
         meta,
         as_long(rows),
         sample_rows,
         prompt_rows,
         [(version, as_long(r)) for version, r in adapter_rows.items()],
+    )
+
+
+def attention_metadata(
+    chunks: list[ScheduledChunk],
+    counts: StepCounts,
+    buffers: StepBuffers,
+    kv_caches: list[tuple[KVTensor, KVTensor]],
+    backend: AttentionBackend,
+) -> AttentionMetadata:
+    """The step's attention metadata over the filled `buffers` (`chunks` decodes first)."""
+    s, nd, bs = counts.num_seqs, counts.num_decodes, buffers.block_size
+    tables, seq_lens = buffers.view("block_tables", s), buffers.view("seq_lens", s)
+    prefills, row = [], nd
+    for i in range(nd, s):
+        chunk = chunks[i]
+        n, seq_len = len(chunk.token_ids), chunk.start_pos + len(chunk.token_ids)
+        prefills.append(SequenceSlice(row, row + n, seq_len, tables[i, : cdiv(seq_len, bs)]))
+        row += n
+    if backend.decode_group_size is None:
+        group = DecodeGroup(
+            rows=buffers.rows[:nd],
+            block_tables=tables[:nd],
+            mask=None,
+            seq_lens=seq_lens[:nd],
+            first_row=0,
+        )
+        decodes = [group] if nd else []
+    else:
+        decodes = decode_groups(
+            list(range(nd)),
+            [c.block_ids for c in chunks[:nd]],
+            [c.start_pos + 1 for c in chunks[:nd]],
+            bs,
+            backend.decode_group_size,
+            buffers.device,
+        )
+    return AttentionMetadata(
+        kv_caches=kv_caches,
+        slot_mapping=buffers.view("slot_mapping", counts.num_tokens),
+        prefills=prefills,
+        decodes=decodes,
+        backend=backend,
+        query_start_loc=buffers.view("query_start_loc", s + 1),
+        seq_lens=seq_lens,
+        block_tables=tables,
+        positions=buffers.view("positions", counts.num_tokens),
+        query_lens=buffers.view("query_lens", s),
+        num_decodes=nd,
+        max_query_len=counts.max_query_len,
     )

@@ -22,11 +22,11 @@ def test_allocate_takes_from_the_head_and_free_appends_to_the_tail() -> None:
     pool = BlockPool(6)
     a = pool.allocate(2)
     b = pool.allocate(3)
-    assert ids(a) == [0, 1] and ids(b) == [2, 3, 4]
-    assert pool.free_queue.block_ids() == [5]
+    assert ids(a) == [1, 2] and ids(b) == [3, 4, 5]  # block 0 is the null block
+    assert pool.free_queue.block_ids() == [6]
     pool.free(reversed(b))
-    assert pool.free_queue.block_ids() == [5, 4, 3, 2]
-    assert ids(pool.allocate(2)) == [5, 4]
+    assert pool.free_queue.block_ids() == [6, 5, 4, 3]
+    assert ids(pool.allocate(2)) == [6, 5]
     pool.check_integrity()
 
 
@@ -35,9 +35,9 @@ def test_shared_block_is_freed_only_by_its_last_owner() -> None:
     (block,) = pool.allocate(1)
     pool.touch([block])
     pool.free([block])
-    assert block.ref_cnt == 1 and 0 not in pool.free_queue.block_ids()
+    assert block.ref_cnt == 1 and 1 not in pool.free_queue.block_ids()
     pool.free([block])
-    assert pool.free_queue.block_ids() == [1, 2, 3, 0]
+    assert pool.free_queue.block_ids() == [2, 3, 4, 1]
     with pytest.raises(AssertionError, match="freed twice"):
         pool.free([block])
 
@@ -48,7 +48,7 @@ def test_reallocating_a_cached_block_drops_its_hash() -> None:
     pool.cache_block(block, b"k" * 32)
     pool.free([block])
     assert pool.get_cached_block(b"k" * 32) is block  # free but still cached
-    pool.allocate(2)  # evicts block 1 first, then block 0
+    pool.allocate(2)  # evicts block 2 first, then block 1
     assert pool.get_cached_block(b"k" * 32) is None and block.block_hash is None
     pool.check_integrity()
 
@@ -57,16 +57,16 @@ def test_manager_allocates_lazily_and_registers_full_blocks() -> None:
     kv = KVCacheManager(BlockPool(10), block_size=4)
     r = request("a", list(range(10)))
     assert kv.allocate_slots(r, 10)
-    assert kv.block_ids("a") == [0, 1, 2]
+    assert kv.block_ids("a") == [1, 2, 3]
     kv.cache_full_blocks(r, 10)
     assert len(kv.pool.cached) == 2  # tokens 0-3 and 4-7; the third block is partial
     r.num_computed_tokens = 10
     r.append_output(99)
-    assert kv.allocate_slots(r, 1) and kv.block_ids("a") == [0, 1, 2]
+    assert kv.allocate_slots(r, 1) and kv.block_ids("a") == [1, 2, 3]
     r.num_computed_tokens = 11
     r.append_output(98)
     r.append_output(97)  # pretend decode of two more: 13 tokens need a 4th block
-    assert kv.allocate_slots(r, 2) and kv.block_ids("a") == [0, 1, 2, 3]
+    assert kv.allocate_slots(r, 2) and kv.block_ids("a") == [1, 2, 3, 4]
 
 
 def test_prefix_hit_shares_blocks_and_stops_before_the_last_token() -> None:
@@ -76,12 +76,12 @@ def test_prefix_hit_shares_blocks_and_stops_before_the_last_token() -> None:
     kv.cache_full_blocks(a, 12)
     b = request("b", list(range(12)))  # identical: 3 full blocks, but the last token must run
     hits = kv.get_computed_blocks(b)
-    assert ids(hits) == [0, 1]
+    assert ids(hits) == [1, 2]
     assert kv.allocate_slots(b, 4, hits)
-    assert kv.block_ids("b") == [0, 1, 3]
-    assert [kv.pool.blocks[i].ref_cnt for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert kv.block_ids("b") == [1, 2, 4]
+    assert [kv.pool.blocks[i - 1].ref_cnt for i in (1, 2, 3, 4)] == [2, 2, 1, 1]
     c = request("c", [*list(range(8)), 50, 51, 52, 53, 54])  # diverges in block 2
-    assert ids(kv.get_computed_blocks(c)) == [0, 1]
+    assert ids(kv.get_computed_blocks(c)) == [1, 2]
     assert (kv.prefix_queries, kv.prefix_hits) == (25, 16)
 
 
@@ -91,7 +91,7 @@ def test_prefix_hash_includes_the_adapter() -> None:
     kv.allocate_slots(a, 9)
     kv.cache_full_blocks(a, 9)
     assert kv.get_computed_blocks(request("b", list(range(9)), adapter=2)) == []
-    assert ids(kv.get_computed_blocks(request("c", list(range(9)), adapter=1))) == [0, 1]
+    assert ids(kv.get_computed_blocks(request("c", list(range(9)), adapter=1))) == [1, 2]
 
 
 def test_prefix_hit_needs_equal_tokens_even_when_python_hashes_collide(
@@ -111,7 +111,7 @@ def test_prefix_hit_needs_equal_tokens_even_when_python_hashes_collide(
     kv.allocate_slots(a, 9)
     kv.cache_full_blocks(a, 9)
     assert kv.get_computed_blocks(request("b", [7, 7, 7, 7, 8, 8, 8, 8, 9])) == []
-    assert ids(kv.get_computed_blocks(request("c", list(range(9))))) == [0, 1]
+    assert ids(kv.get_computed_blocks(request("c", list(range(9))))) == [1, 2]
     first = hashlib.sha256(bytes(32) + (0).to_bytes(8, "little") + (1).to_bytes(8, "little"))
     first.update((2).to_bytes(8, "little") + (3).to_bytes(8, "little") + b"-")
     assert (
@@ -125,14 +125,14 @@ def test_free_blocks_can_be_revived_by_a_hit() -> None:
     kv.allocate_slots(a, 9)
     kv.cache_full_blocks(a, 9)
     kv.free(a)
-    assert kv.pool.free_queue.block_ids() == [3, 2, 1, 0]
+    assert kv.pool.free_queue.block_ids() == [4, 3, 2, 1]
     b = request("b", list(range(9)))
     hits = kv.get_computed_blocks(b)
-    assert ids(hits) == [0, 1]
+    assert ids(hits) == [1, 2]
     # 4 free blocks, 2 of them revived: 1 more needed for token 8 -> fits
     assert kv.allocate_slots(b, 1, hits)
-    assert kv.block_ids("b") == [0, 1, 3]
-    assert kv.pool.free_queue.block_ids() == [2]
+    assert kv.block_ids("b") == [1, 2, 4]
+    assert kv.pool.free_queue.block_ids() == [3]
     kv.pool.check_integrity()
 
 

@@ -40,13 +40,13 @@ def test_prefill_then_decode_with_exact_blocks() -> None:
     s.add_request(req("a", 6))
     s.add_request(req("b", 3))
     out = s.schedule()
-    assert shape(out) == [("a", 0, 6, [0, 1]), ("b", 0, 3, [2])]
+    assert shape(out) == [("a", 0, 6, [1, 2]), ("b", 0, 3, [3])]  # block 0: the null block
     s.update(out, fake_tokens(out))
     out = s.schedule()
-    assert shape(out) == [("a", 6, 1, [0, 1]), ("b", 3, 1, [2])]
+    assert shape(out) == [("a", 6, 1, [1, 2]), ("b", 3, 1, [3])]
     s.update(out, fake_tokens(out))
     out = s.schedule()  # a reaches 8 tokens -> still 2 blocks; b reaches 5 -> a second block
-    assert shape(out) == [("a", 7, 1, [0, 1]), ("b", 4, 1, [2, 3])]
+    assert shape(out) == [("a", 7, 1, [1, 2]), ("b", 4, 1, [3, 4])]
 
 
 def test_token_budget_chunks_a_long_prompt() -> None:
@@ -57,7 +57,7 @@ def test_token_budget_chunks_a_long_prompt() -> None:
         outs.append(s.schedule())
         s.update(outs[-1], fake_tokens(outs[-1]))
     assert [shape(o)[0][1:3] for o in outs] == [(0, 8), (8, 8), (16, 4)]
-    assert outs[-1].chunks[0].block_ids == [0, 1, 2, 3, 4]
+    assert outs[-1].chunks[0].block_ids == [1, 2, 3, 4, 5]
 
 
 def test_running_requests_come_before_new_ones() -> None:
@@ -67,7 +67,7 @@ def test_running_requests_come_before_new_ones() -> None:
     s.update(out, fake_tokens(out))
     s.add_request(req("b", 20, first=100))
     out = s.schedule()
-    assert shape(out) == [("a", 8, 1, [0, 1, 2]), ("b", 0, 9, [3, 4, 5])]
+    assert shape(out) == [("a", 8, 1, [1, 2, 3]), ("b", 0, 9, [4, 5, 6])]
 
 
 def test_max_num_seqs_caps_admission() -> None:
@@ -85,11 +85,11 @@ def test_newest_running_request_is_preempted_and_recomputed() -> None:
     s.add_request(req("a", 8, max_tokens=8))
     s.add_request(req("b", 8, max_tokens=8))
     out = s.schedule()
-    assert shape(out) == [("a", 0, 8, [0, 1]), ("b", 0, 8, [2, 3])]
+    assert shape(out) == [("a", 0, 8, [1, 2]), ("b", 0, 8, [3, 4])]
     s.update(out, fake_tokens(out))
     out = s.schedule()  # a needs a 3rd block: b (newest) is preempted, its blocks go to a
     assert out.preempted_ids == ["b"]
-    assert shape(out) == [("a", 8, 1, [0, 1, 3])]
+    assert shape(out) == [("a", 8, 1, [1, 2, 4])]
     b = s.waiting[0]
     assert (b.request_id, b.num_computed_tokens, b.output_token_ids) == ("b", 0, [7])
     assert b.status is RequestStatus.WAITING and s.num_preemptions == 1
