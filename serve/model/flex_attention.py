@@ -40,9 +40,10 @@ from typing import Any, Literal
 
 import torch
 
-from serve.model.attention import AttentionMetadata, _gather_batch
+from serve.model.attention import AttentionBackend, AttentionMetadata, _gather_batch
 from serve.model.kv_cache import Int8KV, KVTensor
-from serve.model.query_batches import QueryBatch, step_batches, visible
+from serve.model.padded_attention import PaddedSDPABackend
+from serve.model.query_batches import PerForward, QueryBatch, step_batches, visible
 
 Layout = Literal["paged", "gathered"]
 Q_BLOCK = 16
@@ -73,6 +74,25 @@ def unsupported_reason(device: torch.device, block_size: int, head_dim: int) -> 
         return f"block size {block_size} is not a power of two >= 16 (FlexAttention's KV block)"
     if not fits(head_dim):
         return f"head dim {head_dim} is not a power of two >= 16"
+    return None
+
+
+def cuda_backend(
+    name: str, device: torch.device, block_size: int, head_dim: int
+) -> AttentionBackend | None:
+    """The backend `flex` and `padded-sdpa` name, and auto's choice on CUDA (flex where it
+    runs, else padded-sdpa); None for another name, or auto on the CPU (`paged-cpu`'s turn).
+    An explicit `flex` that cannot run is refused with the reason."""
+    why_not = unsupported_reason(device, block_size, head_dim)
+    if name == "flex" and why_not:
+        raise ValueError(
+            f"the flex attention backend cannot run here: {why_not}; "
+            "use --attention-backend padded-sdpa"
+        )
+    if name == "flex" or (name == "auto" and device.type == "cuda" and not why_not):
+        return FlexAttentionBackend()
+    if name == "padded-sdpa" or (name == "auto" and device.type == "cuda"):
+        return PaddedSDPABackend()
     return None
 
 
@@ -179,36 +199,49 @@ def scatter_block_positions(position: torch.Tensor, batch: QueryBatch, block_siz
     position.index_put_((torch.where(used, tables, spare),), index)
 
 
+@dataclass(frozen=True)
+class FlexStep:
+    """One forward's flex batches and the block masks its layers made (by batch and window)."""
+
+    batches: list[FlexBatch]
+    masks: dict[tuple[int, int | None], Any]
+
+    def block_mask(self, i: int, window: int | None, num_keys: int) -> Any:
+        mask = self.masks.get((i, window))
+        if mask is None:
+            mask = self.masks[i, window] = self.batches[i].block_mask(window, num_keys)
+        return mask
+
+
+def cache_device(cache: KVTensor) -> torch.device:
+    return cache.data.device if isinstance(cache, Int8KV) else cache.device
+
+
 class FlexAttentionBackend:
     decode_group_size: int | None = None
+    static_decodes = True
 
     def __init__(self, layout: Layout | None = None) -> None:
         self.layout = layout
-        """None: `paged` on CUDA for a cache in the queries' dtype, else `gathered`."""
+        """None: `paged` on CUDA for a cache in the model's dtype, else `gathered`."""
         self._position: torch.Tensor | None = None
-        self._step: tuple[AttentionMetadata, list[FlexBatch]] | None = None
-        self._masks: dict[tuple[int, int | None], Any] = {}
+        self._step = PerForward(self.build_step)
 
-    def layout_for(self, q: torch.Tensor, k_cache: KVTensor) -> Layout:
+    def layout_for(self, k_cache: KVTensor) -> Layout:
         if isinstance(k_cache, Int8KV):
             return "gathered"
-        return self.layout or ("paged" if q.device.type == "cuda" else "gathered")
+        return self.layout or ("paged" if k_cache.device.type == "cuda" else "gathered")
 
     def block_position(self, k_cache: KVTensor) -> torch.Tensor:
         """The persistent [num_blocks + 1] block -> table index map (allocated on first use)."""
         n = k_cache.shape[0] + 1
         if self._position is None or self._position.shape[0] != n:
-            device = k_cache.data.device if isinstance(k_cache, Int8KV) else k_cache.device
-            self._position = torch.zeros(n, dtype=torch.long, device=device)
+            self._position = torch.zeros(n, dtype=torch.long, device=cache_device(k_cache))
         return self._position
 
-    def batches(
-        self, q: torch.Tensor, k_cache: KVTensor, meta: AttentionMetadata
-    ) -> list[FlexBatch]:
-        """The step's flex batches, built by its first layer and kept for the others."""
-        if self._step is not None and self._step[0] is meta:
-            return self._step[1]
-        layout, bs = self.layout_for(q, k_cache), k_cache.shape[1]
+    def build_step(self, meta: AttentionMetadata) -> FlexStep:
+        k_cache = meta.kv_caches[0][0]
+        layout, bs, device = self.layout_for(k_cache), k_cache.shape[1], cache_device(k_cache)
         position = self.block_position(k_cache) if layout == "paged" else None
         made = []
         for batch in step_batches(meta):
@@ -216,10 +249,13 @@ class FlexAttentionBackend:
                 continue
             if position is not None:
                 scatter_block_positions(position, batch, bs)
-            q_len = padded_query_len(batch.max_query_len, q.device)
+            q_len = padded_query_len(batch.max_query_len, device)
             made.append(FlexBatch(batch, layout, bs, q_len, position))
-        self._step, self._masks = (meta, made), {}
-        return made
+        return FlexStep(made, {})
+
+    def batches(self, meta: AttentionMetadata, k_cache: KVTensor) -> list[FlexBatch]:
+        """This forward's flex batches (built by its first layer)."""
+        return self._step.get(meta, k_cache).batches
 
     def attend(
         self,
@@ -231,11 +267,10 @@ class FlexAttentionBackend:
         window: int | None = None,
     ) -> torch.Tensor:
         out = q.new_empty(q.shape[0] + 1, *q.shape[1:])
-        for i, fb in enumerate(self.batches(q, k_cache, meta)):
+        step = self._step.get(meta, k_cache)
+        for i, fb in enumerate(step.batches):
             k, v = self.keys_and_values(k_cache, v_cache, fb)
-            mask = self._masks.get((i, window))
-            if mask is None:
-                mask = self._masks[i, window] = fb.block_mask(window, k.shape[2])
+            mask = step.block_mask(i, window, k.shape[2])
             queries = fb.batch.gather_queries(q)
             queries = torch.nn.functional.pad(queries, (0, 0, 0, fb.q_len - queries.shape[2]))
             o = run_flex(queries, k, v, mask, scale, fb.block_size)

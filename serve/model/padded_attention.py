@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from serve.model.attention import AttentionMetadata, _gather_batch
 from serve.model.kv_cache import KVTensor
-from serve.model.query_batches import QueryBatch, step_batches, visible
+from serve.model.query_batches import PerForward, QueryBatch, step_batches, visible
 
 
 def padded_mask(batch: QueryBatch, num_keys: int, window: int | None) -> torch.Tensor:
@@ -53,14 +53,10 @@ def attend_padded(
 class PaddedSDPABackend:
     decode_group_size: int | None = None
 
-    def __init__(self) -> None:
-        self._step: tuple[AttentionMetadata, tuple[QueryBatch | None, ...]] | None = None
+    static_decodes = True
 
-    def batches(self, meta: AttentionMetadata) -> tuple[QueryBatch | None, ...]:
-        """The step's batches, built by its first layer and kept for the others."""
-        if self._step is None or self._step[0] is not meta:
-            self._step = (meta, step_batches(meta))
-        return self._step[1]
+    def __init__(self) -> None:
+        self._batches = PerForward(step_batches)
 
     def attend(
         self,
@@ -72,7 +68,7 @@ class PaddedSDPABackend:
         window: int | None = None,
     ) -> torch.Tensor:
         out = q.new_empty(q.shape[0] + 1, *q.shape[1:])
-        for batch in self.batches(meta):
+        for batch in self._batches.get(meta, k_cache):
             if batch is not None:
                 o = attend_padded(q, k_cache, v_cache, batch, scale, window)
                 batch.scatter_outputs(out, o)

@@ -14,12 +14,17 @@ a sliding window), shared by the FlexAttention mask and the padded-SDPA mask.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from serve.model.attention import AttentionMetadata
+from serve.model.kv_cache import KVTensor
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,50 @@ def visible(
 
 
 def step_batches(meta: AttentionMetadata) -> tuple[QueryBatch | None, QueryBatch | None]:
-    """The step's (decodes, prefill chunks), each as one batch (None: none of that kind)."""
-    return _decode_batch(meta), _prefill_batch(meta)
+    """The step's (decodes, prefill chunks), each as one batch (None: none of that kind): slices
+    of the step's flat tables where it has them (decodes first), else from its per-sequence
+    structures (metadata made by hand)."""
+    if meta.query_start_loc is None:
+        return _decode_batch(meta), _prefill_batch(meta)
+    assert meta.seq_lens is not None and meta.block_tables is not None
+    assert meta.query_lens is not None
+    nd, s = meta.num_decodes, meta.seq_lens.shape[0]
+
+    def rows(first: int, end: int, max_query_len: int) -> QueryBatch:
+        return QueryBatch(
+            starts=meta.query_start_loc[first:end],  # type: ignore[index]
+            query_lens=meta.query_lens[first:end],  # type: ignore[index]
+            seq_lens=meta.seq_lens[first:end],  # type: ignore[index]
+            block_tables=meta.block_tables[first:end, : _prefill_width(meta, first)],  # type: ignore[index]
+            max_query_len=max_query_len,
+        )
+
+    return (rows(0, nd, 1) if nd else None), (rows(nd, s, meta.max_query_len) if s > nd else None)
+
+
+def _prefill_width(meta: AttentionMetadata, first: int) -> int | None:
+    """Table columns a prefill batch reads: up to its longest context (host ints of an eager
+    step); None (every column) for decodes, whose lengths only the device holds."""
+    if first < meta.num_decodes or not meta.prefills:
+        return None
+    block_size = meta.kv_caches[0][0].shape[1]
+    return -(-max(s.seq_len for s in meta.prefills) // block_size)
+
+
+class PerForward(Generic[T]):
+    """A value built from a step's metadata by the first layer of each forward and kept for the
+    others. A new forward is told by its first layer's cache, not by the metadata object: a
+    captured decode graph's stand-in replays the same metadata over refilled buffers."""
+
+    def __init__(self, build: Callable[[AttentionMetadata], T]) -> None:
+        self.build = build
+        self._value: tuple[AttentionMetadata, T] | None = None
+
+    def get(self, meta: AttentionMetadata, k_cache: KVTensor) -> T:
+        first_layer = k_cache is meta.kv_caches[0][0]
+        if first_layer or self._value is None or self._value[0] is not meta:
+            self._value = (meta, self.build(meta))
+        return self._value[1]
 
 
 def _decode_batch(meta: AttentionMetadata) -> QueryBatch | None:

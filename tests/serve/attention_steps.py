@@ -12,6 +12,7 @@ import torch
 
 from serve.core.scheduler import ScheduledChunk, SchedulerOutput
 from serve.model.attention import AttentionBackend, AttentionMetadata, ReferenceBackend
+from serve.model.input_buffers import BufferLimits, StepBuffers
 from serve.model.kv_cache import KVLayout, KVTensor, allocate, write_slots
 from serve.model.step_inputs import build_step_inputs
 
@@ -50,13 +51,13 @@ def make_step(
     seed: int = 0,
     device: str = "cpu",
 ) -> Step:
-    """A step computing `n` tokens after `cached` ones for each (cached, n) of `sequences`, in
-    that order; with `shared_blocks`, every sequence after the first whose cache covers them
+    """A step computing `n` tokens after `cached` ones for each (cached, n) of `sequences` (the
+    step puts the decodes first, as the engine does); with `shared_blocks`, every sequence after the first whose cache covers them
     starts with the first sequence's first `shared_blocks` blocks."""
     rng, bs = random.Random(seed), shape.block_size
     torch.manual_seed(seed)
     counts = [-(-(cached + n) // bs) for cached, n in sequences]
-    free = list(range(1, sum(counts) + 8))
+    free = list(range(1, sum(counts) + 8))  # block 0: the null block
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(c)] for c in counts]
     for table, (cached, _) in zip(tables[1:], sequences[1:]):
@@ -75,7 +76,9 @@ def make_step(
         for i, ((cached, n), table) in enumerate(zip(sequences, tables))
     ]
     backend = backend or ReferenceBackend()
-    inputs = build_step_inputs(SchedulerOutput(chunks), bs, [(k, v)], backend, torch.device(device))
+    limits = BufferLimits(256, 16, max(counts) + 2)
+    buffers = StepBuffers(limits, bs, torch.device(device))
+    inputs = build_step_inputs(SchedulerOutput(chunks), buffers, [(k, v)], backend)
     rows = sum(n for _, n in sequences)
     q = torch.randn(rows, shape.heads, shape.head_dim).to(shape.dtype).to(device)
     return Step(q, k, v, inputs.meta)

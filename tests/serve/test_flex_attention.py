@@ -5,6 +5,8 @@ flex block lists against the mask they stand for; and no host sync on the decode
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from serve.model import flex_attention
 from serve.model.attention import AttentionBackend
-from serve.model.flex_attention import FlexAttentionBackend, FlexBatch
+from serve.model.flex_attention import FlexAttentionBackend
 from serve.model.padded_attention import PaddedSDPABackend
 from serve.model.query_batches import step_batches
 from tests.serve.attention_steps import Shape, Step, make_step
@@ -28,6 +30,7 @@ STEPS = {
     "prefill-only": [(0, 5), (0, 33), (0, 16)],
     "mixed": [(20, 1), (47, 1), (0, 30), (0, 7)],
     "mixed-interleaved": [(0, 30), (20, 1), (0, 7), (47, 1)],
+    "one-token-contexts": [(0, 1), (0, 1), (0, 2)],
     "chunked-prefill": [(16, 20), (37, 11), (3, 40), (63, 1)],
 }
 SHAPES = {
@@ -94,7 +97,7 @@ def test_block_lists_are_exactly_the_blocks_with_a_visible_key(
     block holding a key some query of a query block sees is listed, and no other."""
     backend = FlexAttentionBackend(layout)  # type: ignore[arg-type]
     step = make_step(STEPS["chunked-prefill"], Shape(block_size=8), backend)
-    fb = backend.batches(step.q, step.k_cache, step.meta)[-1]  # the prefill chunks
+    fb = backend.batches(step.meta, step.k_cache)[-1]  # the prefill chunks
     assert fb.batch.max_query_len == 40
     count, index = fb.kv_blocks(window)
     bs = fb.block_size
@@ -142,10 +145,66 @@ def test_decode_path_reads_nothing_back_to_the_host(
     torch.testing.assert_close(got, step.reference(16), rtol=1e-5, atol=1e-5)
 
 
-def test_flex_batch_is_built_once_a_step() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hand_made_metadata_without_flat_tables_equals_the_reference(backend: str) -> None:
+    """Metadata made by hand (benchmarks) may carry only the per-sequence structures."""
+    impl = BACKENDS[backend]()
+    step = make_step(STEPS["chunked-prefill"], Shape(), impl)
+    bare = dataclasses.replace(step.meta, query_start_loc=None, block_tables=None)
+    step = dataclasses.replace(step, meta=bare)
+    assert_matches_reference(step, impl, 16)
+
+
+def test_flex_batches_are_built_by_each_forwards_first_layer() -> None:
+    """Later layers reuse the first layer's batches; the next forward over the same metadata
+    (a decode graph's CPU stand-in replays it over refilled buffers) builds them again."""
     backend = FlexAttentionBackend("paged")
     step = make_step(STEPS["mixed"], Shape(), backend)
-    first = backend.batches(step.q, step.k_cache, step.meta)
-    assert backend.batches(step.q, step.k_cache, step.meta) is first
-    assert [type(b) for b in first] == [FlexBatch, FlexBatch]
+    second_layer = (step.k_cache.clone(), step.v_cache.clone())
+    meta = dataclasses.replace(step.meta, kv_caches=[*step.meta.kv_caches, second_layer])
+    first = backend.batches(meta, step.k_cache)
     assert [b.batch.max_query_len for b in first] == [1, 30]
+    assert backend.batches(meta, second_layer[0]) is first
+    assert backend.batches(meta, step.k_cache) is not first
+
+
+@pytest.mark.parametrize(
+    ("name", "device", "block_size", "head_dim", "chosen"),
+    [
+        ("auto", "cuda", 16, 64, FlexAttentionBackend),
+        ("auto", "cuda", 32, 256, FlexAttentionBackend),
+        ("auto", "cuda", 8, 64, PaddedSDPABackend),
+        ("auto", "cuda", 16, 80, PaddedSDPABackend),
+        ("padded-sdpa", "cuda", 16, 64, PaddedSDPABackend),
+        ("flex", "cpu", 5, 80, FlexAttentionBackend),
+        ("padded-sdpa", "cpu", 16, 64, PaddedSDPABackend),
+        ("auto", "cpu", 16, 64, type(None)),
+        ("sdpa", "cuda", 16, 64, type(None)),
+    ],
+)
+def test_auto_picks_flex_on_cuda_where_the_shapes_fit_else_padded_sdpa(
+    name: str, device: str, block_size: int, head_dim: int, chosen: type
+) -> None:
+    """None: the name is another backend's (on the CPU, auto stays paged-cpu or sdpa)."""
+    got = flex_attention.cuda_backend(name, torch.device(device), block_size, head_dim)
+    assert type(got) is chosen
+
+
+def test_flex_that_cannot_run_is_refused_naming_why_and_the_fallback() -> None:
+    with pytest.raises(ValueError, match=r"block size 8 is not a power of two.*padded-sdpa"):
+        flex_attention.cuda_backend("flex", torch.device("cuda"), 8, 64)
+
+
+@pytest.mark.parametrize("backend", ["flex", "padded-sdpa"])
+def test_the_engine_builds_the_named_backend(backend: str, tiny_model_dir: Path) -> None:
+    from serve.core.config import CacheConfig, ModelConfig
+    from serve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(
+        ModelConfig(str(tiny_model_dir), dtype="float32", device="cpu", attention_backend=backend),  # type: ignore[arg-type]
+        CacheConfig(block_size=16, num_blocks=16),
+    )
+    assert (
+        type(engine.runner.backend)
+        is {"flex": FlexAttentionBackend, "padded-sdpa": PaddedSDPABackend}[backend]
+    )
