@@ -96,6 +96,21 @@ def cuda_backend(
     return None
 
 
+def _triton_kernel() -> dict[str, Any]:
+    """The option forcing the general Triton kernel (not flex decoding, whose blocks differ):
+    `BACKEND` where torch has it, else the older `FORCE_USE_FLEX_ATTENTION`."""
+    if not flex_available():
+        return {}
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    if "BACKEND" in FlexKernelOptions.__annotations__:
+        return {"BACKEND": "TRITON"}
+    return {"FORCE_USE_FLEX_ATTENTION": True}
+
+
+_TRITON_KERNEL = _triton_kernel()
+
+
 @cache
 def _compiled_flex() -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
@@ -124,28 +139,25 @@ class FlexBatch:
     """paged: [num_blocks + 1] each block's index in the table holding it (the last entry takes
     the padding's writes)."""
 
-    def key_position(self, b: torch.Tensor, kv_idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(the key's position in sequence b, whether the key is sequence b's)."""
-        if self.block_position is None:
-            return kv_idx, torch.ones_like(kv_idx, dtype=torch.bool)
-        block = kv_idx // self.block_size
-        index = self.block_position[block].clamp(max=self.batch.block_tables.shape[1] - 1)
-        owned = self.batch.block_tables[b, index] == block
-        return index * self.block_size + kv_idx % self.block_size, owned
-
     def mask_mod(self, window: int | None) -> MaskMod:
-        context, query_lens, seq_lens = (
-            self.batch.context_lens,
-            self.batch.query_lens,
-            self.batch.seq_lens,
-        )
+        """The exact mask on (sequence, query row, key index of the layout): the key is the
+        sequence's, the row a real query, and `visible` holds. Closes over tensors and ints
+        only (what compiled flex traces)."""
+        context, query_lens = self.batch.context_lens, self.batch.query_lens
+        seq_lens, tables, bs = self.batch.seq_lens, self.batch.block_tables, self.block_size
+        position = self.block_position
 
         def mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
         ) -> torch.Tensor:
-            k_pos, owned = self.key_position(b, kv_idx)
-            seen = visible(context[b] + q_idx, k_pos, seq_lens[b], window)
-            return owned & seen & (q_idx < query_lens[b])
+            real = q_idx < query_lens[b]
+            if position is None:  # gathered: the key index is its position
+                return real & visible(context[b] + q_idx, kv_idx, seq_lens[b], window)
+            block = kv_idx // bs
+            index = position[block].clamp(max=tables.shape[1] - 1)
+            owned = tables[b, index] == block
+            k_pos = index * bs + kv_idx % bs
+            return real & owned & visible(context[b] + q_idx, k_pos, seq_lens[b], window)
 
         return mask
 
@@ -296,7 +308,7 @@ def run_flex(
     """flex_attention over the block mask; on CUDA with the kernel's blocks set to the mask's
     (BLOCK_N the cache block: the kernel never straddles two KV blocks)."""
     if q.device.type == "cuda":
-        options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_BLOCK, "BLOCK_N": block_size}
+        options = {**_TRITON_KERNEL, "BLOCK_M": Q_BLOCK, "BLOCK_N": block_size}
         return _flex(q.device)(
             q, k, v, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=options
         )

@@ -208,3 +208,80 @@ def test_the_engine_builds_the_named_backend(backend: str, tiny_model_dir: Path)
         type(engine.runner.backend)
         is {"flex": FlexAttentionBackend, "padded-sdpa": PaddedSDPABackend}[backend]
     )
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU here)")
+CUDA_BACKENDS = {"flex": FlexAttentionBackend, "padded-sdpa": PaddedSDPABackend}
+"""On CUDA flex reads the cache in place (`paged`) through compiled Triton kernels."""
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("steps", STEPS)
+def test_on_cuda_equals_the_reference(backend: str, window: int | None, steps: str) -> None:
+    """float32 (TF32 off): within float32 rounding of the reference, summed in another order."""
+    impl = CUDA_BACKENDS[backend]()
+    step = make_step(STEPS[steps], Shape(heads=8, kv_heads=2, head_dim=64), impl, device="cuda")
+    expected = step.reference(window)
+    torch.testing.assert_close(step.attend(impl, window), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_bfloat16_and_int8_on_cuda_equal_the_reference(backend: str, kv_cache_dtype: str) -> None:
+    """bf16 in, float32 accumulation: within bf16's precision of the reference computed in
+    float32 from the same inputs (an int8 cache: from the same codes and scales)."""
+    impl = CUDA_BACKENDS[backend]()
+    shape = Shape(heads=8, kv_heads=2, head_dim=64, kv_cache_dtype=kv_cache_dtype)
+    shape = dataclasses.replace(shape, dtype=torch.bfloat16)
+    step = make_step(STEPS["chunked-prefill"], shape, impl, device="cuda", shared_blocks=1)
+    got = step.attend(impl, 16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), step.reference(16).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_decode_attention_replays_in_a_cuda_graph_over_new_contents(backend: str) -> None:
+    """Captured once (after a warm-up that compiles), replayed after the cache's contents and
+    the sequences' lengths changed in place: the reference's answer for the new values."""
+    impl = CUDA_BACKENDS[backend]()
+    step = make_step(
+        STEPS["decode-only"], Shape(heads=8, kv_heads=2, head_dim=64), impl, device="cuda"
+    )
+    step.attend(impl, 16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step.attend(impl, 16)
+    assert isinstance(step.k_cache, torch.Tensor) and step.meta.seq_lens is not None
+    step.k_cache.normal_()
+    step.meta.seq_lens.sub_(torch.tensor([0, 1, 1, 1, 2, 3], device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(out, step.reference(16), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_flex_traces_the_mask_whole_and_equals_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What CUDA runs, compiled here by inductor's CPU backend (static shapes: 20-30 s a shape
+    on two cores): the mask function traces into one graph (fullgraph) and gives the reference's
+    answer, on two steps of the same shapes with different contents (no recompile between)."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    compiled = torch.compile(flex, fullgraph=True, dynamic=False)
+    monkeypatch.setattr(flex_attention, "_flex", lambda device: compiled)
+    backend = FlexAttentionBackend("gathered")
+    graphs = []
+    for seed in (0, 1):
+        step = make_step([(20, 1), (47, 1), (0, 30), (3, 30)], Shape(), backend, seed=seed)
+        assert_matches_reference(step, backend, 16)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0]
