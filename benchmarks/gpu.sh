@@ -61,7 +61,8 @@ run() {
   nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
   timeout "${TEST_SECONDS:-240}" python3 -m pytest -p no:cacheprovider -m gpu -o addopts="" \
-    tests/serve/test_cuda.py tests/compress/test_packed.py -ra -s --durations=10 \
+    tests/serve/test_cuda.py tests/serve/test_flex_attention.py tests/compress/test_packed.py \
+    -ra -s --durations=10 \
     2>&1 | tee "$out/pytest.log" || true
   [ "${BENCH:-1}" = 1 ] || return 0
   timeout "${BENCH_SECONDS:-180}" python3 -m benchmarks.step_bench --device cuda --rounds 3 \
