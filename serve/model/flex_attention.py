@@ -32,6 +32,7 @@ max_query_len, W, num_blocks), so the decode call can be captured in a CUDA grap
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ def unsupported_reason(device: torch.device, block_size: int, head_dim: int) -> 
         return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
     if device.type != "cuda":
         return None
+    if not _NO_Q_BLOCKS:
+        return f"torch {torch.__version__}'s BlockMask cannot skip its query-block lists"
 
     def fits(n: int) -> bool:
         return n >= 16 and n & (n - 1) == 0
@@ -101,14 +104,29 @@ def _triton_kernel() -> dict[str, Any]:
     `BACKEND` where torch has it, else the older `FORCE_USE_FLEX_ATTENTION`."""
     if not flex_available():
         return {}
-    from torch.nn.attention.flex_attention import FlexKernelOptions
+    import torch.nn.attention.flex_attention as flex
 
-    if "BACKEND" in FlexKernelOptions.__annotations__:
+    options = getattr(flex, "FlexKernelOptions", None)
+    if options is not None and "BACKEND" in options.__annotations__:
         return {"BACKEND": "TRITON"}
     return {"FORCE_USE_FLEX_ATTENTION": True}
 
 
 _TRITON_KERNEL = _triton_kernel()
+
+
+def _no_q_blocks() -> dict[str, Any]:
+    """Skip the transposed (query-block) lists, which only the backward pass reads: building
+    them densifies the block lists to every block of the cache. Older torch always builds them."""
+    if not flex_available():
+        return {}
+    from torch.nn.attention.flex_attention import BlockMask
+
+    params = inspect.signature(BlockMask.from_kv_blocks).parameters
+    return {"compute_q_blocks": False} if "compute_q_blocks" in params else {}
+
+
+_NO_Q_BLOCKS = _no_q_blocks()
 
 
 @cache
@@ -192,7 +210,7 @@ class FlexBatch:
             BLOCK_SIZE=(Q_BLOCK, self.block_size),
             mask_mod=self.mask_mod(window),
             seq_lengths=(self.q_len, num_keys),
-            compute_q_blocks=False,
+            **_NO_Q_BLOCKS,
         )
 
 
