@@ -56,7 +56,7 @@ def _run(
 
 def load_engine(model: Path, requests: int, bitsandbytes_layers: bool = False) -> LLMEngine:
     """The engine on `model`; with `bitsandbytes_layers` its quantized layers stay bitsandbytes'."""
-    keep = mock.patch("serve.engine.llm_engine.replace_bnb_linears", return_value=0)
+    keep = mock.patch("serve.engine.loader.replace_bnb_linears", return_value=0)
     with keep if bitsandbytes_layers else contextlib.nullcontext():
         return LLMEngine(
             ModelConfig(str(model), dtype="float32", device="cpu"),

@@ -77,6 +77,11 @@ class SchedulerConfig:
     (`max_position_embeddings` or the equivalent; 2048 when its config states none)."""
     enable_prefix_caching: bool = True
     """Share the KV blocks of common prompt prefixes between requests."""
+    async_scheduling: bool = False
+    """Schedule step N+1 while step N computes on a worker thread (`serve/engine/overlap.py`):
+    stops are found a step late and the extra token dropped. Steps of requests with a grammar,
+    penalties, min_tokens, logit bias or prompt logprobs, and engines serving LoRA, run one by
+    one."""
 
     def __post_init__(self) -> None:
         check_fields(self)

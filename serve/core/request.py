@@ -39,6 +39,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
+    """Output tokens a step still in flight samples (async scheduling): scheduled as if known,
+    appended when that step's update lands. 0 or 1."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     block_hashes: list[bytes] = field(default_factory=list)

@@ -11,6 +11,14 @@ Model, one step:
   3. `update` applies the step's sampled tokens: counters advance, stop conditions end requests,
      and finished requests free their blocks at once.
 The scheduler sees token ids and block ids only; `SchedulerOutput` is all the runner gets.
+
+Async scheduling (one step of lag): `advance` applies a step's counters as soon as it is
+scheduled, each sampling request holding an output placeholder, so the next step is scheduled
+while this one runs; a placeholder is scheduled as the last token of a decode chunk
+(`ScheduledChunk.placeholder`: the runner writes the in-flight sample there). `update(...,
+advanced=True)` later fills the placeholder and checks stops one step late: a request that
+stopped then had one more token computed, which is dropped. A request whose placeholder
+certainly ends it (max_tokens, max_model_len) is not scheduled again.
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ class ScheduledChunk:
     """Compute logits at the chunk's rows from `first_logprob_row` on (the request asked for
     prompt logprobs)."""
     first_logprob_row: int = 0
+    placeholder: bool = False
+    """Its last token is the sample of the step still in flight (async scheduling): the runner
+    writes that token in before computing (`token_ids` holds 0 there)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +96,9 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0 or request in preempted:
                 break
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._ends_in_flight(request):
+                continue
+            num_new = min(self._num_pending(request), budget)
             while not self.kv.allocate_slots(request, num_new):
                 preempted.append(self._preempt_newest())
                 if preempted[-1] is request:
@@ -103,6 +116,20 @@ class Scheduler:
             [self._chunk(r, n) for r, n in scheduled], [r.request_id for r in preempted]
         )
 
+    @staticmethod
+    def _num_pending(request: Request) -> int:
+        """Tokens to compute: known ones and the placeholder of a step in flight."""
+        known = request.num_tokens + request.num_output_placeholders
+        return known - request.num_computed_tokens
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """The step in flight samples this request's last token (by length): nothing to do."""
+        if not request.num_output_placeholders:
+            return False
+        outputs = len(request.output_token_ids) + request.num_output_placeholders
+        total = request.num_tokens + request.num_output_placeholders
+        return outputs >= request.sampling_params.max_tokens or total >= self.max_model_len
+
     def _can_admit(self, request: Request) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
             return False
@@ -118,7 +145,7 @@ class Scheduler:
         if params.prompt_logprobs is not None:  # position p - 1's logits score token p
             hits = hits[: max(params.prompt_logprobs_from - 1, 0) // self.kv.block_size]
         num_hit = len(hits) * self.kv.block_size
-        num_new = min(request.num_tokens - num_hit, budget)
+        num_new = min(request.num_tokens + request.num_output_placeholders - num_hit, budget)
         if not self.kv.allocate_slots(request, num_new, hits):
             return None
         if request.num_preemptions == 0:
@@ -142,27 +169,50 @@ class Scheduler:
         start = request.num_computed_tokens
         params = request.sampling_params
         first = max(params.prompt_logprobs_from - 1 - start, 0)
+        token_ids = request.all_token_ids[start : start + num_new]
+        placeholder = len(token_ids) < num_new  # the sample in flight: one token at the end
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=token_ids + [0] * (num_new - len(token_ids)),
             start_pos=start,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new == request.num_tokens + request.num_output_placeholders,
             adapter_id=request.adapter_id,
             prompt_logprobs=params.prompt_logprobs is not None
             and start < request.num_prompt_tokens
             and first < num_new,
             first_logprob_row=first,
+            placeholder=placeholder,
         )
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance counters, append sampled tokens, finish what stops; return finished ones."""
-        finished = []
+    def advance(self, output: SchedulerOutput) -> None:
+        """Async scheduling: apply a just-scheduled step's counters now, a placeholder for each
+        token it samples, so that the next step can be scheduled while it runs."""
         for chunk in output.chunks:
             request = self.requests[chunk.request_id]
             request.num_computed_tokens += len(chunk.token_ids)
-            self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            if chunk.sample and request.sampling_params.max_tokens > 0:
+                request.num_output_placeholders += 1
+
+    def update(
+        self, output: SchedulerOutput, sampled: dict[str, int], advanced: bool = False
+    ) -> list[Request]:
+        """Advance counters (unless `advance` did), append sampled tokens, finish what stops;
+        return finished ones. Chunks of requests that ended since the step was scheduled (an
+        abort, a stop found one step late) are dropped."""
+        finished = []
+        for chunk in output.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None:
+                continue
+            computed = chunk.start_pos + len(chunk.token_ids)
+            if not advanced:
+                request.num_computed_tokens = computed
+            if request.status is RequestStatus.RUNNING:  # not preempted since
+                self.kv.cache_full_blocks(request, min(computed, request.num_tokens))
             token = sampled.get(chunk.request_id)
+            if advanced and token is not None:
+                request.num_output_placeholders -= 1
             if token is None:
                 if chunk.sample and request.sampling_params.max_tokens == 0:
                     finished.append(self.finish(request.request_id, FinishReason.LENGTH))

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig, with_model_limit
 from serve.core.kv_cache_manager import cdiv
@@ -29,23 +30,13 @@ from serve.core.sampling_params import SamplingParams
 from serve.core.scheduler import Scheduler, SchedulerOutput
 from serve.core.stats import EngineStats
 from serve.engine.generation_defaults import GenerationDefaults
+from serve.engine.loader import load_for_serving
 from serve.engine.output_processor import RequestOutput, RequestState
+from serve.engine.overlap import OverlappedSteps, StepResult
 from serve.lora.adapter import Adapter
 from serve.lora.manager import LoraConfig
-from serve.model.bnb_linear import replace_bnb_linears
-from serve.model.compilation import why_not_compilable
-from serve.model.cpu_linear import prepack_linears
-from serve.model.fused_layers import fuse_decoder_layers
 from serve.model.grammar import Bitmasks, GrammarBackend, GrammarError
-from serve.model.host_memory import keep_freed_memory
-from serve.model.model_runner import (
-    ModelRunner,
-    RunnerOptions,
-    load_model,
-    position_limit,
-    resolve_device,
-    resolve_dtype,
-)
+from serve.model.model_runner import ModelRunner, RunnerOptions, position_limit
 from serve.model.sampler import SampleInput, Sampler, logprobs_of, select_rows
 from serve.model.step_inputs import StepInputs
 
@@ -86,29 +77,15 @@ class LLMEngine:
         loaded: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None,
         lora: LoraConfig | None = None,
     ) -> None:
-        device = resolve_device(model.device)
-        dtype = resolve_dtype(model.dtype, device, model.model)
-        if device.type == "cpu":
-            keep_freed_memory()
         self.cache_config = cache = cache or CacheConfig()
-        hf_model, self.tokenizer = loaded or (
-            load_model(model, device, dtype),
-            AutoTokenizer.from_pretrained(model.model),
-        )
+        ready = load_for_serving(model, loaded, lora is not None)
+        hf_model, self.tokenizer, self.vocab_size = ready.model, ready.tokenizer, ready.vocab_size
         self.scheduler_config = scheduler = with_model_limit(
             scheduler or SchedulerConfig(), position_limit(hf_model)
         )
-        self.vocab_size = hf_model.get_output_embeddings().out_features
-        if model.prepack_linears and device.type == "cpu":
-            prepack_linears(hf_model, merge_groups=model.merge_projections)
-            replace_bnb_linears(hf_model)
-        if model.fuse_layers and not model.compile:  # CPU models only: why_not_fusable
-            fuse_decoder_layers(hf_model)
-        if model.compile and (why_not := why_not_compilable(hf_model, lora is not None)):
-            raise ValueError(f"--compile cannot be used here: {why_not}; drop --compile")
         graphs = not (model.enforce_eager or model.compile)
         options = RunnerOptions(model.attention_backend, model.compile, lora, graphs)
-        self.runner = ModelRunner(hf_model, cache, scheduler, device, options)
+        self.runner = ModelRunner(hf_model, cache, scheduler, ready.device, options)
         self.adapters = self.runner.adapters
         max_loras = lora.max_loras if lora else None
         self.scheduler = Scheduler(scheduler, self.runner.num_blocks, cache.block_size, max_loras)
@@ -122,6 +99,8 @@ class LLMEngine:
             sorted(self.eos_token_ids),
             overlap=self.runner.device.type != "cpu",
         )
+        self._overlap = OverlappedSteps(self) if scheduler.async_scheduling else None
+        """Async scheduling's step in flight and its worker; None: steps run one by one."""
         self._states: dict[str, RequestState] = {}
         self.progress: dict[str, int] = {}
         """Output tokens of every request that got one in the last step."""
@@ -219,9 +198,15 @@ class LLMEngine:
         self.grammars.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        in_flight = self._overlap is not None and self._overlap.in_flight is not None
+        return self.scheduler.has_unfinished() or in_flight
 
     def step(self) -> list[RequestOutput]:
+        """One step; with async scheduling, the outputs of the step before it."""
+        return self._overlap.step() if self._overlap is not None else self.step_sync()
+
+    def step_sync(self) -> list[RequestOutput]:
+        """Schedule, compute and apply one step (nothing may be in flight)."""
         clock = _Clock(self.timings)
         out = self.scheduler.schedule()
         clock.lap("schedule")
@@ -262,12 +247,12 @@ class LLMEngine:
         self, inputs: StepInputs, logits: torch.Tensor, masks: Bitmasks | None
     ) -> dict[str, int]:
         """Sample for every request whose chunk reached its end and that wants a token."""
-        ids = [r for r in inputs.sample_rows if self._wants_token(r)]
+        ids = [r for r in inputs.sample_rows if self.wants_token(r)]
         if not ids:
             return {}
         requests = [self.scheduler.requests[r] for r in ids]
         rows = [inputs.sample_rows[r] for r in ids]
-        sample_inputs = [self._sample_input(r) for r in requests]
+        sample_inputs = [self.sample_input(r) for r in requests]
         allowed = masks.aligned(ids) if masks is not None else None
         sampled = self.sampler.sample(select_rows(logits, rows), sample_inputs, allowed)
         tokens = {r: s.token_id for r, s in zip(ids, sampled)}
@@ -289,7 +274,7 @@ class LLMEngine:
                 request.logprobs.append(s.logprobs)
         return tokens
 
-    def _sample_input(self, request: Request) -> SampleInput:
+    def sample_input(self, request: Request) -> SampleInput:
         params = request.sampling_params
         constrained = request.request_id in self.grammars.matchers
         if not params.processes_row:  # at most a grammar's mask, read from the step's bitmasks
@@ -358,8 +343,25 @@ class LLMEngine:
             raise InvalidRequest("this engine was started without LoRA support")
         return self.adapters.unload(name, self.adapters_in_use())
 
-    def _wants_token(self, request_id: str) -> bool:
+    def wants_token(self, request_id: str) -> bool:
         return self.scheduler.requests[request_id].sampling_params.max_tokens > 0
+
+    def land(self, out: SchedulerOutput, result: Future[StepResult]) -> list[RequestOutput]:
+        """Apply a step computed on async scheduling's worker: its tokens, one step late (the
+        chunks of requests that ended since are dropped); its failure as `StepFailed`."""
+        try:
+            sampled = result.result()
+        except Exception as e:
+            raise self._fail(out, e) from e
+        requests = {
+            c.request_id: r for c in out.chunks if (r := self.scheduler.requests.get(c.request_id))
+        }
+        tokens = {r: s.token_id for r, s in sampled.items() if r in requests}
+        for request_id in tokens:
+            if (logprobs := sampled[request_id].logprobs) is not None:
+                requests[request_id].logprobs.append(logprobs)
+        finished = self.scheduler.update(out, tokens, advanced=True)
+        return self._outputs(requests, tokens, finished)
 
     def _outputs(
         self, requests: dict[str, Request], tokens: dict[str, int], finished: list[Request]

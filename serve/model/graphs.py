@@ -41,6 +41,10 @@ class GraphBackend(Protocol):
         """A memory pool handle for `capture`."""
         ...
 
+    def warm_up(self, body: Callable[[], None]) -> None:
+        """Run `body` once before its capture (lazy initialisations happen outside the graph)."""
+        ...
+
     def capture(self, body: Callable[[], None], pool: Any) -> Graph:
         """Record `body` (already warmed up) as a graph allocating from `pool`."""
         ...
@@ -49,6 +53,14 @@ class GraphBackend(Protocol):
 class CUDAGraphBackend:
     def new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
+
+    def warm_up(self, body: Callable[[], None]) -> None:
+        """On a side stream, as torch's CUDA graph notes advise before a capture."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
 
     def capture(self, body: Callable[[], None], pool: Any) -> Graph:
         graph = torch.cuda.CUDAGraph()
@@ -70,6 +82,9 @@ class ReplayGraphBackend:
 
     def new_pool(self) -> Any:
         return object()
+
+    def warm_up(self, body: Callable[[], None]) -> None:
+        body()
 
     def capture(self, body: Callable[[], None], pool: Any) -> Graph:
         return _Replay(body)
@@ -97,7 +112,7 @@ class DecodeGraphs:
         """Warm up and capture `body(bucket)` for every bucket, largest first, in one pool."""
         pool = self.backend.new_pool()
         for bucket in reversed(self.buckets):
-            body(bucket)
+            self.backend.warm_up(partial(body, bucket))
             self.graphs[bucket] = self.backend.capture(partial(body, bucket), pool)
 
     def bucket_for(self, num_seqs: int) -> int | None:

@@ -8,6 +8,7 @@ token), through the model's own head (`logits_to_keep`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,11 +40,12 @@ from serve.model.attention import (
 from serve.model.compilation import CompiledForward, CompileReport, warm_up
 from serve.model.flex_attention import cuda_backend
 from serve.model.graph_runner import GraphedDecodes
-from serve.model.graphs import CUDAGraphBackend, GraphBackend
+from serve.model.graphs import CUDAGraphBackend, GraphBackend, why_not_graphable
 from serve.model.input_buffers import BufferLimits, StepBuffers
 from serve.model.kv_cache import KVLayout, allocate, layer_key_smoothing
 from serve.model.step_inputs import StepInputs, build_step_inputs
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_BYTES = 256 << 20
 
@@ -214,7 +216,13 @@ class ModelRunner:
         self.graphs: GraphedDecodes | None = None
         """The captured decode graphs; None: every step runs eagerly."""
         if options.cuda_graphs and device.type == "cuda" and self.compiled is None:
-            self.enable_graphs(CUDAGraphBackend(), scheduler.max_num_seqs)
+            why = why_not_graphable(model, self.backend.static_decodes)
+            if why is None:
+                self.enable_graphs(CUDAGraphBackend(), scheduler.max_num_seqs)
+            else:
+                log.warning(
+                    "decode steps run eagerly: CUDA graphs cannot serve this model: %s", why
+                )
 
     def _num_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:

@@ -50,6 +50,7 @@ def start_thread_server(
     lora: LoraConfig | None = None,
     generation_config: str = "auto",
     device: str = "cpu",
+    async_scheduling: bool = False,
     **settings: object,
 ) -> ThreadServer:
     engine = LLMEngine(
@@ -58,7 +59,10 @@ def start_thread_server(
         ),
         CacheConfig(block_size=16, num_blocks=num_blocks),
         SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=max_model_len
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=512,
+            max_model_len=max_model_len,
+            async_scheduling=async_scheduling,
         ),
         lora=lora,
     )

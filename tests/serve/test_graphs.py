@@ -19,6 +19,7 @@ from serve.core.stats import EngineStats
 from serve.engine.metrics import ServerMetrics
 from serve.model.graphs import DecodeGraphs, ReplayGraphBackend, graph_buckets
 from tests.serve.conftest import PAGED_CPU
+from tests.workbench.greedy_check import greedy_outputs
 
 BLOCK = 16
 
@@ -42,6 +43,10 @@ class MockBackend:
         self.calls.append(("new_pool", 0))
         return object()
 
+    def warm_up(self, body: Callable[[], None]) -> None:
+        self.calls.append(("warm_up", len(self.pools)))
+        body()
+
     def capture(self, body: Callable[[], None], pool: Any) -> Any:
         self.pools.append(pool)
         self.calls.append(("capture", len(self.pools)))
@@ -63,7 +68,7 @@ def test_capture_warms_up_each_bucket_then_captures_largest_first_in_one_pool() 
     graphs.capture(lambda bucket: calls.append(("body", bucket)))
     expected = [("new_pool", 0)]
     for i, bucket in enumerate([16, 8, 4, 2, 1]):
-        expected += [("body", bucket), ("capture", i + 1)]
+        expected += [("warm_up", i), ("body", bucket), ("capture", i + 1)]
     assert calls == expected
     assert len(set(map(id, backend.pools))) == 1 and len(backend.pools) == 5
     calls.clear()
@@ -84,19 +89,6 @@ def make_engine(
     return engine
 
 
-def run_all(engine: LLMEngine, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
-    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0))
-    outputs: dict[int, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[int(out.request_id)] = out.token_ids
-        engine.scheduler.pool.check_integrity()
-    assert engine.scheduler.pool.num_free_blocks == engine.scheduler.pool.num_blocks
-    return [outputs[i] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("backend", ["reference", PAGED_CPU, "flex", "padded-sdpa"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_graph_decodes_are_token_equal_to_eager_at_every_bucket(
@@ -107,7 +99,7 @@ def test_graph_decodes_are_token_equal_to_eager_at_every_bucket(
     and soft-capped head included."""
     prompts = [[7 + (5 * i + j) % 50 for j in range(3 + i % 9)] for i in range(20)]
     lengths = [2 + i for i in range(20)]
-    eager = run_all(make_engine(model_dirs[arch], backend, graphs=False), prompts, lengths)
+    eager = greedy_outputs(make_engine(model_dirs[arch], backend, graphs=False), prompts, lengths)
     replayed: Counter[int] = Counter()
     original = DecodeGraphs.replay
 
@@ -117,7 +109,7 @@ def test_graph_decodes_are_token_equal_to_eager_at_every_bucket(
 
     monkeypatch.setattr(DecodeGraphs, "replay", replay)
     engine = make_engine(model_dirs[arch], backend)
-    assert run_all(engine, prompts, lengths) == eager
+    assert greedy_outputs(engine, prompts, lengths) == eager
     assert set(replayed) == {20, 16, 8, 4, 2, 1}
     assert dict(engine.stats().decode_paths)["graph"] == sum(replayed.values())
 

@@ -181,3 +181,32 @@ def test_random_workloads_keep_invariants(
     assert not s.has_unfinished()
     assert s.pool.num_free_blocks == num_blocks and not s.kv.blocks
     s.pool.check_integrity()
+
+
+def test_async_scheduling_schedules_placeholders_and_applies_tokens_a_step_late() -> None:
+    s = scheduler()
+    s.add_request(req("a", 5, max_tokens=2))
+    s.add_request(req("b", 3, max_tokens=8))
+    first = s.schedule()
+    s.advance(first)  # both sample at step 1: a placeholder each, counters already moved
+    second = s.schedule()
+    assert [(c.request_id, c.start_pos, c.token_ids, c.placeholder) for c in second.chunks] == [
+        ("a", 5, [0], True),
+        ("b", 3, [0], True),
+    ]
+    s.advance(second)
+    assert s.update(first, {"a": 50, "b": 60}, advanced=True) == []
+    a = s.requests["a"]
+    assert (a.output_token_ids, a.num_output_placeholders, a.num_computed_tokens) == ([50], 1, 6)
+    # a's placeholder is its 2nd and last token: it is not scheduled again
+    third = s.schedule()
+    assert [(c.request_id, c.token_ids) for c in third.chunks] == [("b", [0])]
+    s.advance(third)
+    finished = s.update(second, {"a": 51, "b": EOS}, advanced=True)
+    assert [(r.request_id, r.finish_reason) for r in finished] == [
+        ("a", FinishReason.LENGTH),
+        ("b", FinishReason.STOP),
+    ]
+    assert s.update(third, {"b": 61}, advanced=True) == []  # b's extra token is dropped
+    assert not s.requests and s.pool.num_free_blocks == 16
+    s.pool.check_integrity()

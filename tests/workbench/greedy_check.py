@@ -41,6 +41,14 @@ def run_engine(
         CacheConfig(block_size=16, num_blocks=num_blocks),
         SchedulerConfig(max_num_batched_tokens=budget, max_model_len=2048),
     )
+    return greedy_outputs(engine, prompts, max_tokens), engine.stats().num_preemptions
+
+
+def greedy_outputs(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int]
+) -> list[list[int]]:
+    """Each prompt's greedy output token ids, all requests added at once; the block pool is
+    checked after every step and must be all free at the end."""
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0))
     outputs: dict[int, list[int]] = {}
@@ -51,4 +59,4 @@ def run_engine(
         engine.scheduler.pool.check_integrity()
     pool = engine.scheduler.pool
     assert pool.num_free_blocks == pool.num_blocks
-    return [outputs[i] for i in range(len(prompts))], engine.stats().num_preemptions
+    return [outputs[i] for i in range(len(prompts))]
