@@ -9,6 +9,11 @@ query; blocks past a query block, before its window, and padding rows are never 
 function then decides each (query, key) pair with `visible`, so it alone is exact; the block
 lists only save work.
 
+Grouped-query attention: a KV head's query heads are folded into its query rows (row r of KV head
+k is position r // g of query head k * g + r % g, for g query heads a KV head, where g divides
+the query block), so each KV block is read once for all g heads, and decodes fill g rows of a
+query block instead of one (flex decoding's packing; otherwise flex maps each head to its own).
+
 Two layouts of the keys and values:
 - `paged` (CUDA): the layer's cache itself, `[1, kv_heads, num_blocks * block_size, head_dim]`,
   read in place; the block lists name physical blocks. A key's position is its block's index in
@@ -146,18 +151,22 @@ def _flex(device: torch.device) -> Callable[..., Any]:
 
 @dataclass(frozen=True)
 class FlexBatch:
-    """One batch's block mask and what its mask function reads."""
+    """One batch's block masks and what their mask functions read. `group`: query heads folded
+    into the query rows of each KV head (row r is position r // group of query head
+    kv_head * group + r % group), so a KV block is read once for the group's heads."""
 
     batch: QueryBatch
     layout: Layout
     block_size: int
-    q_len: int
-    """The padded query length: `max_query_len` rounded up (a power of two on CUDA)."""
     block_position: torch.Tensor | None
     """paged: [num_blocks + 1] each block's index in the table holding it (the last entry takes
     the padding's writes)."""
 
-    def mask_mod(self, window: int | None) -> MaskMod:
+    def q_len(self, group: int) -> int:
+        """The padded query rows: `max_query_len` x `group`, a power of two on CUDA."""
+        return padded_query_len(self.batch.max_query_len * group, self.batch.starts.device)
+
+    def mask_mod(self, window: int | None, group: int) -> MaskMod:
         """The exact mask on (sequence, query row, key index of the layout): the key is the
         sequence's, the row a real query, and `visible` holds. Closes over tensors and ints
         only (what compiled flex traces)."""
@@ -168,50 +177,74 @@ class FlexBatch:
         def mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
         ) -> torch.Tensor:
-            real = q_idx < query_lens[b]
+            offset = q_idx // group
+            real, q_pos = offset < query_lens[b], context[b] + offset
             if position is None:  # gathered: the key index is its position
-                return real & visible(context[b] + q_idx, kv_idx, seq_lens[b], window)
+                return real & visible(q_pos, kv_idx, seq_lens[b], window)
             block = kv_idx // bs
             index = position[block].clamp(max=tables.shape[1] - 1)
             owned = tables[b, index] == block
             k_pos = index * bs + kv_idx % bs
-            return real & owned & visible(context[b] + q_idx, k_pos, seq_lens[b], window)
+            return real & owned & visible(q_pos, k_pos, seq_lens[b], window)
 
         return mask
 
-    def kv_blocks(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_blocks(self, window: int | None, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, 1, q blocks] blocks each query block reads, [B, 1, q blocks, W] which: table
         entries (paged) or table indices (gathered), from the first the block can see)."""
         batch, bs = self.batch, self.block_size
-        q_first = torch.arange(0, self.q_len, Q_BLOCK, device=batch.starts.device)
-        first_pos = batch.context_lens[:, None] + q_first[None, :]
-        last_pos = torch.minimum(first_pos + Q_BLOCK, batch.seq_lens[:, None]) - 1
+        rows = torch.arange(0, self.q_len(group), Q_BLOCK, device=batch.starts.device)
+        offsets = rows // group
+        first_pos = batch.context_lens[:, None] + offsets[None, :]
+        last_pos = torch.minimum(first_pos + Q_BLOCK // group, batch.seq_lens[:, None]) - 1
         if window is None:
             first_block = torch.zeros_like(first_pos)
         else:
             first_block = (first_pos - window + 1).clamp(min=0) // bs
         count = last_pos // bs - first_block + 1
-        count = torch.where(q_first[None, :] < batch.query_lens[:, None], count, 0)
+        count = torch.where(offsets[None, :] < batch.query_lens[:, None], count, 0)
         width = batch.block_tables.shape[1]
-        index = first_block[:, :, None] + torch.arange(width, device=q_first.device)
+        index = first_block[:, :, None] + torch.arange(width, device=rows.device)
         index = index.clamp_(max=width - 1)
         if self.layout == "paged":
-            rows = torch.arange(batch.size, device=q_first.device)[:, None, None]
-            index = batch.block_tables[rows, index]
+            seqs = torch.arange(batch.size, device=rows.device)[:, None, None]
+            index = batch.block_tables[seqs, index]
         return count[:, None].int(), index[:, None].int()
 
-    def block_mask(self, window: int | None, num_keys: int) -> Any:
+    def block_mask(self, window: int | None, num_keys: int, group: int) -> Any:
         from torch.nn.attention.flex_attention import BlockMask
 
-        count, index = self.kv_blocks(window)
+        count, index = self.kv_blocks(window, group)
         return BlockMask.from_kv_blocks(
             count,
             index,
             BLOCK_SIZE=(Q_BLOCK, self.block_size),
-            mask_mod=self.mask_mod(window),
-            seq_lengths=(self.q_len, num_keys),
+            mask_mod=self.mask_mod(window, group),
+            seq_lengths=(self.q_len(group), num_keys),
             **_NO_Q_BLOCKS,
         )
+
+    def fold_queries(self, q: torch.Tensor, group: int) -> torch.Tensor:
+        """q [T, heads, head_dim] -> [B, heads / group, q_len(group), head_dim]."""
+        x = self.batch.gather_queries(q)  # [B, heads, L, D]
+        b, heads, length, dim = x.shape
+        x = x.view(b, heads // group, group, length, dim).transpose(2, 3)
+        x = x.reshape(b, heads // group, length * group, dim)
+        return torch.nn.functional.pad(x, (0, 0, 0, self.q_len(group) - length * group))
+
+    def unfold_outputs(self, o: torch.Tensor, group: int) -> torch.Tensor:
+        """`fold_queries`' inverse on the outputs: [B, heads, max_query_len, head_dim]."""
+        b, kv_heads, _, dim = o.shape
+        length = self.batch.max_query_len
+        o = o[:, :, : length * group].view(b, kv_heads, length, group, dim).transpose(2, 3)
+        return o.reshape(b, kv_heads * group, length, dim)
+
+
+def query_group(heads: int, kv_heads: int) -> int:
+    """Query heads folded into the rows of each KV head: the whole GQA group where it divides a
+    query block, else none (flex's own GQA then maps each query head to its KV head)."""
+    group = heads // kv_heads
+    return group if Q_BLOCK % group == 0 else 1
 
 
 def padded_query_len(n: int, device: torch.device) -> int:
@@ -234,12 +267,13 @@ class FlexStep:
     """One forward's flex batches and the block masks its layers made (by batch and window)."""
 
     batches: list[FlexBatch]
-    masks: dict[tuple[int, int | None], Any]
+    masks: dict[tuple[int, int | None, int], Any]
 
-    def block_mask(self, i: int, window: int | None, num_keys: int) -> Any:
-        mask = self.masks.get((i, window))
+    def block_mask(self, i: int, window: int | None, num_keys: int, group: int) -> Any:
+        mask = self.masks.get((i, window, group))
         if mask is None:
-            mask = self.masks[i, window] = self.batches[i].block_mask(window, num_keys)
+            mask = self.batches[i].block_mask(window, num_keys, group)
+            self.masks[i, window, group] = mask
         return mask
 
 
@@ -271,7 +305,7 @@ class FlexAttentionBackend:
 
     def build_step(self, meta: AttentionMetadata) -> FlexStep:
         k_cache = meta.kv_caches[0][0]
-        layout, bs, device = self.layout_for(k_cache), k_cache.shape[1], cache_device(k_cache)
+        layout, bs = self.layout_for(k_cache), k_cache.shape[1]
         position = self.block_position(k_cache) if layout == "paged" else None
         made = []
         for batch in step_batches(meta):
@@ -279,8 +313,7 @@ class FlexAttentionBackend:
                 continue
             if position is not None:
                 scatter_block_positions(position, batch, bs)
-            q_len = padded_query_len(batch.max_query_len, device)
-            made.append(FlexBatch(batch, layout, bs, q_len, position))
+            made.append(FlexBatch(batch, layout, bs, position))
         return FlexStep(made, {})
 
     def batches(self, meta: AttentionMetadata, k_cache: KVTensor) -> list[FlexBatch]:
@@ -298,13 +331,12 @@ class FlexAttentionBackend:
     ) -> torch.Tensor:
         out = q.new_empty(q.shape[0] + 1, *q.shape[1:])
         step = self._step.get(meta, k_cache)
+        group = query_group(q.shape[1], k_cache.shape[2])
         for i, fb in enumerate(step.batches):
             k, v = self.keys_and_values(k_cache, v_cache, fb)
-            mask = step.block_mask(i, window, k.shape[2])
-            queries = fb.batch.gather_queries(q)
-            queries = torch.nn.functional.pad(queries, (0, 0, 0, fb.q_len - queries.shape[2]))
-            o = run_flex(queries, k, v, mask, scale, fb.block_size)
-            fb.batch.scatter_outputs(out, o[:, :, : fb.batch.max_query_len])
+            mask = step.block_mask(i, window, k.shape[2], group)
+            o = run_flex(fb.fold_queries(q, group), k, v, mask, scale, fb.block_size)
+            fb.batch.scatter_outputs(out, fb.unfold_outputs(o, group))
         return out[:-1]
 
     @staticmethod

@@ -37,7 +37,10 @@ SHAPES = {
     "gqa": Shape(heads=8, kv_heads=2),
     "mha": Shape(heads=4, kv_heads=4),
     "mqa": Shape(heads=4, kv_heads=1, head_dim=32, block_size=8),
+    "gqa-of-3": Shape(heads=6, kv_heads=2),
 }
+"""Query heads per KV head 4, 1, 4 (folded into the query rows of a KV head) and 3 (not: it
+does not divide a query block)."""
 
 
 def assert_matches_reference(step: Step, backend: AttentionBackend, window: int | None) -> None:
@@ -88,10 +91,11 @@ def test_int8_kv_cache_equals_the_reference(backend: str, window: int | None) ->
     assert_matches_reference(step, impl, window)
 
 
+@pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("layout", ["paged", "gathered"])
 @pytest.mark.parametrize("window", [None, 5, 16, 40])
 def test_block_lists_are_exactly_the_blocks_with_a_visible_key(
-    layout: str, window: int | None
+    layout: str, window: int | None, group: int
 ) -> None:
     """On CUDA the kernel reads only the listed blocks (eagerly, flex scores every key): every
     block holding a key some query of a query block sees is listed, and no other."""
@@ -99,13 +103,16 @@ def test_block_lists_are_exactly_the_blocks_with_a_visible_key(
     step = make_step(STEPS["chunked-prefill"], Shape(block_size=8), backend)
     fb = backend.batches(step.meta, step.k_cache)[-1]  # the prefill chunks
     assert fb.batch.max_query_len == 40
-    count, index = fb.kv_blocks(window)
+    count, index = fb.kv_blocks(window, group)
     bs = fb.block_size
     num_keys = step.k_cache.shape[0] * bs if layout == "paged" else index.shape[-1] * bs
     b, q, kv = torch.meshgrid(
-        torch.arange(fb.batch.size), torch.arange(fb.q_len), torch.arange(num_keys), indexing="ij"
+        torch.arange(fb.batch.size),
+        torch.arange(fb.q_len(group)),
+        torch.arange(num_keys),
+        indexing="ij",
     )
-    seen = fb.mask_mod(window)(b, torch.zeros_like(b), q, kv)
+    seen = fb.mask_mod(window, group)(b, torch.zeros_like(b), q, kv)
     for s in range(fb.batch.size):
         for qb in range(count.shape[-1]):
             rows = seen[s, qb * 16 : (qb + 1) * 16]
