@@ -163,9 +163,14 @@ def gguf_parsed_once() -> Iterator[None]:
 
 
 def convert_gguf(path: Path, out: Path) -> None:
-    """Dequantize `path` into a float32 safetensors HF dir (tokenizer and chat template with it)."""
+    """Dequantize `path` into a float32 safetensors HF dir (tokenizer and chat template with it);
+    `BadGGUF` (one line: the file and the field) when its layout does not fit the file, before
+    any reader trusts it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from catalog.gguf_file import check_gguf
+
+    check_gguf(path)
     with gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)

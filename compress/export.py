@@ -18,18 +18,23 @@
   it. An adapter exports to it as a GGUF LoRA file (`compress.gguf_lora`) for llama.cpp's
   `--lora`.
 Contract: the export dir appears whole or not at all (written beside it and renamed last); a
-variant whose storage the format cannot express is refused, naming why and what it can export to.
+variant whose storage the format cannot express is refused, naming why and what it can export to;
+a write that fails (a full disk, a file size limit) is one `ExportError` naming the file and the
+cause, and leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from compress.artifact import atomic_dir
@@ -52,6 +57,34 @@ _NOT_COPIED = {WEIGHTS, PACKED, "workbench.json", "config.json"}
 
 class ExportError(ValueError):
     """A variant that cannot be exported as asked; the message names why and the fix."""
+
+
+class ExportWriteError(ExportError, OSError):
+    """A write of the export failed (a full disk, a file size limit): an export refusal, and
+    still the OSError it was."""
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Within the block `path` (where the file will be once the export is complete) is being
+    written: a failed write becomes ExportWriteError naming it and the cause (numpy's short
+    write carries no errno, safetensors' error is no OSError)."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        if " requested and " in cause:  # `tofile`: "57600 requested and 3808 written"
+            cause = f"a short write ({cause}): the disk is full or a file size limit was reached"
+        raise ExportWriteError(
+            f"{path}: the write failed: {cause}; nothing was written{_free_space(path)}"
+        ) from None
+
+
+def _free_space(path: Path) -> str:
+    try:
+        return f" ({shutil.disk_usage(path.parent.parent).free / 1e6:,.0f} MB free there)"
+    except OSError:
+        return ""
 
 
 def exports_of(spec: LoadSpec) -> tuple[ExportFormat, ...]:
@@ -104,11 +137,14 @@ def export(
             config["quantization_config"], schemes = _compress(spec, state, codes)
         for name, qw in codes.items():  # all for hf; the quantized embedding for compressed-tensors
             state[f"{name}.weight"] = qw.dequantize().contiguous()
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        with writing(out / WEIGHTS):
+            save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        with writing(out / "config.json"):
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for f in sorted(source.iterdir()):
             if f.is_file() and f.name not in _NOT_COPIED:
-                shutil.copy2(f, tmp / f.name)
+                with writing(out / f.name):
+                    shutil.copy2(f, tmp / f.name)
     files = sorted(p.name for p in out.iterdir())
     size = sum((out / f).stat().st_size for f in files)
     layout = config["quantization_config"]["format"] if fmt == "compressed-tensors" else None
@@ -167,7 +203,8 @@ def _export_gguf(
     with atomic_dir(out) as tmp:
         written = tmp / (GGUF_FILE if quantizer is None else "float.gguf")
         try:
-            counts = write_gguf(spec.path, state, types, rest, written)
+            with writing(out / written.name):
+                counts = write_gguf(spec.path, state, types, rest, written)
             if quantizer is not None:
                 assert gguf_type is not None
                 quantize(quantizer, written, tmp / GGUF_FILE, gguf_type)
@@ -202,7 +239,8 @@ def _export_adapter(source: Path, fmt: str, out: Path, gguf_type: str | None) ->
     base = _adapter_base(source)
     with atomic_dir(out) as tmp:
         try:
-            counts = write_gguf_lora(source, base, gguf_type or "f32", tmp / LORA_FILE)
+            with writing(out / LORA_FILE):
+                counts = write_gguf_lora(source, base, gguf_type or "f32", tmp / LORA_FILE)
         except GgufExportError as e:
             raise ExportError(str(e)) from None
     return {

@@ -12,7 +12,8 @@ Model: a model dir is one of
   Its own dtype is bfloat16 (`own_dtype`: what a load without a dtype gets); asked for another,
   the model is loaded in it and takes those int4 linears
   (`compress.torchao_int4.transplant_int4`), so its embedding, head, norms and rotary frequencies
-  are that dtype's, and the int4 products compute in bfloat16 as a packed int4 model's do,
+  are that dtype's, and the int4 products compute in bfloat16 as a packed int4 model's do;
+  on a GPU its int4 linears run through tinygemm (`compress.torchao_int4.int4_onto`),
 - `packed`: integer codes with scales and zero points (`compress.packed`) for the linears a
   calibrated method (RTN, GPTQ, AWQ, HQQ, a mixed plan) quantized, described by
   `workbench_packed.json`; loaded by building the transformers model from its config and
@@ -156,7 +157,9 @@ def load_model(
         return load_dense(path, dtype, extra).to(device).eval()
     kwargs: dict[str, Any] = {"dtype": dtype, **NO_HUB_KERNELS, **extra}
     if spec.format == "int4-at-load":
-        return _int4_model(path, spec, kwargs)
+        from compress.torchao_int4 import int4_onto
+
+        return int4_onto(_int4_model(path, spec, kwargs), torch.device(device))
     if spec.format == "hf-quantized":
         kwargs["device_map"] = str(device)
         log_once(BITSANDBYTES_MATMUL_LOGGER)

@@ -31,7 +31,12 @@ fitted one) alike.
   scale is applied to the product), int4 weights `(q - 8) * s + m` are rounded to bfloat16
   (relative error 2^-9, as the bfloat16 model's own weights; a 4-bit step is 2^-4 of a group's
   range).
-- On other devices both dequantize per call in the model's dtype (correct, not fast).
+- On CUDA int4 runs through torch's tinygemm kernel (`_weight_int4pack_mm`, bfloat16
+  activations: `compress.packed_cuda.TinygemmLinear4`, the same `(q - 8) * s + m` with
+  bfloat16 scales and offsets), int8 per output channel through `_weight_int8pack_mm` for calls
+  of up to `CUDA_INT8_KERNEL_ROWS` rows (the rest, and int8 groups, dequantize per call in the
+  model's dtype). On other devices (and GPUs older than sm80) both dequantize per call in the
+  model's dtype (correct, not fast).
 - An embedding may be int8 per row or int4 in groups (a table lookup dequantizes the rows it
   reads); a tied `lm_head` then reads the same codes through the kernel, one copy in memory
   (int4 rows are read back from the kernel's layout: `compress.int4pack`).
@@ -50,6 +55,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.int4pack import find_layout
+from compress.packed_cuda import (
+    TinygemmLinear4,
+    int8_kernel_runs,
+    kernel_scales_and_zeros,
+    tinygemm_runs,
+)
 
 GROUP_SIZES = (32, 64, 128, 256)
 DEQUANTIZE_CHUNK = 1 << 22
@@ -57,6 +68,11 @@ DEQUANTIZE_CHUNK = 1 << 22
 temporary a large matrix (a 262k-row head) would otherwise need in full."""
 KERNEL_DTYPE = torch.bfloat16
 """What the CPU kernels compute in (see the NOTE above)."""
+CUDA_INT8_KERNEL_ROWS = 16
+"""Rows up to which a CUDA call of an int8 linear runs `_weight_int8pack_mm` (decode steps);
+larger calls dequantize and take cuBLAS. Not yet measured on a GPU: the kernel computes each
+output from the whole int8 row (a float32 dot per output), so its cost grows with the rows,
+while the dequantized product's stays about that of one bfloat16 weight read."""
 DEQUANTIZE_ROWS = 64
 """Rows from which a CPU call dequantizes instead of running the kernel. Measured on a 2-core
 AVX2 CPU (bfloat16 emulated), Gemma 3's 640 x 2048 shapes: the int4 / int8 kernels take 1.4-1.9x
@@ -191,8 +207,7 @@ class PackedLinear4(nn.Module):
         self.kernel = qw.q.device.type == "cpu"
         if self.kernel:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32), 1)
-            offsets = (8 - qw.zeros) * qw.scales
-            sz = torch.stack([qw.scales.t(), offsets.t()], dim=-1).contiguous().to(KERNEL_DTYPE)
+            sz = kernel_scales_and_zeros(qw.scales, qw.zeros)
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales_and_zeros", sz, persistent=False)
             self.layout = find_layout()
@@ -262,6 +277,14 @@ class PackedLinear4(nn.Module):
             )
         return self._dequantize(codes, self.scales_and_zeros[:, start:stop])
 
+    def codes(self) -> torch.Tensor:
+        """Every row's uint8 codes [out, in] (read back from the CPU kernel's bytes)."""
+        if not self.kernel or self.layout is None:
+            return self.q
+        return self.layout.unpack(
+            self.packed, self.out_features, self.in_features, 0, self.out_features
+        )
+
     def weight_rows_bf16(self, start: int, stop: int) -> torch.Tensor:
         return self.weight_rows(start, stop).to(torch.bfloat16)
 
@@ -320,6 +343,8 @@ class PackedLinear8(_Int8Linear):
         offset = (128 - qw.zeros[:, 0]) * qw.scales[:, 0]
         super().__init__(qw, bias, dtype, qw.scales[:, 0].to(compute), offset.to(compute))
         self.kernel = kernel
+        self.cuda_kernel = int8_kernel_runs(qw.q.device)
+        """On CUDA: decode-sized calls run `_weight_int8pack_mm` (`CUDA_INT8_KERNEL_ROWS`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
@@ -330,7 +355,7 @@ class PackedLinear8(_Int8Linear):
             y = y * self.scales
         elif dequantize:
             y = dequantized_linear(flat.float(), self.weight_rows, self.out_features).to(flat.dtype)
-        elif self.kernel:
+        elif self.kernel or (self.cuda_kernel and 0 < flat.shape[0] <= CUDA_INT8_KERNEL_ROWS):
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q_signed, self.scales)
         else:
             y = F.linear(flat, self.q_signed.to(flat.dtype) * self.scales[:, None])
@@ -404,7 +429,7 @@ class PackedEmbedding4(nn.Module):
     def __init__(self, qw: Quantized, dtype: torch.dtype, embed_scale: torch.Tensor | None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = qw.q.shape
-        self.linear = PackedLinear4(qw, None, dtype)
+        self.linear = int4_linear(qw, None, dtype)
         self.embed_scale = embed_scale
         self.dtype = dtype
 
@@ -421,9 +446,19 @@ def packed_embedding(
     return (PackedEmbedding4 if fmt.bits == 4 else PackedEmbedding8)(qw, dtype, embed_scale)
 
 
+def int4_linear(
+    qw: Quantized, bias: torch.Tensor | None, dtype: torch.dtype
+) -> PackedLinear4 | TinygemmLinear4:
+    """The int4 linear for the codes' device: tinygemm where it runs (CUDA, sm80+), else
+    `PackedLinear4` (the CPU kernel, or dequantized per call)."""
+    if tinygemm_runs(qw.q.device):
+        return TinygemmLinear4(qw.q, qw.scales, qw.zeros, bias, dtype)
+    return PackedLinear4(qw, bias, dtype)
+
+
 def packed_module(
     fmt: PackedFormat, qw: Quantized, bias: torch.Tensor | None, dtype: torch.dtype
 ) -> nn.Module:
     if fmt.bits == 4:
-        return PackedLinear4(qw, bias, dtype)
+        return int4_linear(qw, bias, dtype)
     return (PackedLinear8Grouped if fmt.group_size else PackedLinear8)(qw, bias, dtype)

@@ -6,7 +6,8 @@ bfloat16 scales and zeros). `adopt_torchao_int4` puts a `compress.packed.PackedL
 same tensors in place of each such linear, so the calls that `dequantize_rows` sends to the
 dequantized product take it (see `compress.packed`); `transplant_int4` moves those linears into
 the same model loaded in another dtype, so a float32 load of int4-wo is float32 everywhere but
-in its int4 products.
+in its int4 products; `int4_onto` puts the model on a GPU, its int4 linears as tinygemm's
+(`compress.packed_cuda`) over the same codes and bfloat16 scales and offsets.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from compress.packed import PackedLinear4
+from compress.packed_cuda import TinygemmLinear4, tinygemm_runs
 
 
 def adopt_torchao_int4(model: nn.Module) -> int:
@@ -64,3 +66,40 @@ def transplant_int4(source: nn.Module, target: nn.Module, dtype: torch.dtype) ->
             if module.bias is not None:
                 module.bias = nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)
             target.set_submodule(name, module)
+
+
+def int4_onto(model: nn.Module, device: torch.device) -> nn.Module:
+    """int4-wo's model (loaded on the CPU) on `device`: on a GPU each int4 linear becomes a
+    `TinygemmLinear4` over the same codes and kernel scales (`to_tinygemm`). ValueError where
+    no int4 kernel runs there."""
+    if device.type == "cpu":
+        return model
+    if not tinygemm_runs(device):
+        raise ValueError(
+            f"int4-wo on {device}: torch's int4 GPU kernel (tinygemm) needs an NVIDIA GPU of "
+            "compute capability 8.0 or later; load this variant on the CPU"
+        )
+    to_tinygemm(model)
+    return model.to(device)
+
+
+def to_tinygemm(model: nn.Module) -> int:
+    """Replace each CPU-kernel `PackedLinear4` by a `TinygemmLinear4` over its codes and
+    bfloat16 scales and offsets (the two kernels share that convention); returns how many.
+    ValueError where a torchao int4 weight could not be adopted (its codes are unreadable)."""
+    from torchao.prototype.quantization.int4 import Int4OpaqueTensor
+
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(getattr(module, "weight", None), Int4OpaqueTensor):
+            raise ValueError(
+                f"{name}: a torchao int4 weight whose layout this torch build cannot read back "
+                "runs on the CPU only; load this model on the CPU"
+            )
+        if isinstance(module, PackedLinear4) and module.kernel:
+            linear = TinygemmLinear4.from_kernel_operands(
+                module.codes(), module.scales_and_zeros, module.bias
+            )
+            model.set_submodule(name, linear)
+            replaced += 1
+    return replaced

@@ -125,7 +125,7 @@ def served(model: str, serve_flags: list[str], log: Path) -> Iterator[str]:
     free port; yields its URL. The server is this process's own (loopback, a port nobody else
     was told): the API key a user exports for their servers ($WORKBENCH_API_KEY) is not passed
     on, or it would lock out our own requests."""
-    from evals.server_process import start_server
+    from evals.server_process import start_server, stop_server
     from serve.http.cli import API_KEY_ENV
 
     port = _free_port()
@@ -146,11 +146,7 @@ def served(model: str, serve_flags: list[str], log: Path) -> Iterator[str]:
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()  # a graceful shutdown; killed if it takes more than a minute
-        proc.join(timeout=60)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
+        stop_server(proc)  # a graceful shutdown; killed if it takes more than a minute
 
 
 def run_bench(args: argparse.Namespace, serve_flags: list[str]) -> LoadResult:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from reports import figures
 from reports.metrics import CAPACITY_RATE, P95_E2E
 from reports.render import COMPARISON_HEAD, comparison_rows
 from reports.report import entries
+from serve.http.middleware import CrossSiteGuard
 
 PAGE = Path(__file__).with_name("dashboard.html")
 
@@ -37,14 +40,13 @@ def load_runs(root: Path) -> dict[str, dict[str, Any]]:
 
 def scan_runs(root: Path) -> tuple[dict[str, dict[str, Any]], list[dict[str, str]]]:
     """The usable reports by run name, and a note ({file, problem}) for each `report.json`
-    that is not one: a file that is JSON but not a report (or whose contents the page cannot
-    show) is skipped, so one bad file never empties the page."""
+    that is not one: a file that cannot be read (not a regular file, too large, not JSON) or
+    that is JSON but not a report (or whose contents the page cannot show) is skipped, so one
+    bad file never empties the page. Reports are written whole (`reports.report.write_report`
+    renames them into place), so a file that does not parse is not one being written."""
     runs, skipped = {}, []
     for path in sorted(root.glob("*/report.json")):
-        checked = _checked_report(path)
-        if checked is None:
-            continue  # a report being written; the next request sees it whole
-        report, problem = checked
+        report, problem = _checked_report(path)
         if problem is None:
             runs[path.parent.name] = report
         else:
@@ -52,24 +54,70 @@ def scan_runs(root: Path) -> tuple[dict[str, dict[str, Any]], list[dict[str, str
     return runs, skipped
 
 
+MAX_REPORT_BYTES = 64 << 20
+"""Largest report.json read (a report of a recipe's variants, with its plots' data, is well
+under 1 MB); a larger file is skipped unread."""
+
 _CHECKED: dict[Path, tuple[tuple[int, int], Any, str | None]] = {}
 """report.json path -> ((mtime_ns, size), report, problem): a file is read and checked once
 until it changes, not on every request."""
 
 
-def _checked_report(path: Path) -> tuple[Any, str | None] | None:
+class Unreadable(Exception):
+    """Why a report.json was not read: the note /api/skipped shows."""
+
+
+def _checked_report(path: Path) -> tuple[Any, str | None]:
     try:
-        stat = path.stat()
-        version = (stat.st_mtime_ns, stat.st_size)
+        version = regular_file_version(os.stat(path), MAX_REPORT_BYTES)
         cached = _CHECKED.get(path)
         if cached is not None and cached[0] == version:
             return cached[1], cached[2]
-        report = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
+        report = json.loads(read_regular_file(path, MAX_REPORT_BYTES))
+    except Unreadable as e:
+        return None, str(e)
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror or e})"
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, f"is not JSON ({e})"
+    except RecursionError:
+        return None, "is not a report: its JSON nests deeper than the parser takes"
     problem = report_problem(path.parent.name, report)
     _CHECKED[path] = (version, report, problem)
     return report, problem
+
+
+def regular_file_version(info: os.stat_result, limit: int) -> tuple[int, int]:
+    """(mtime_ns, size) of a regular file of at most `limit` bytes; Unreadable for anything
+    else (a FIFO would block its reader, a device may never end)."""
+    if not stat.S_ISREG(info.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(info.st_mode), "special file")
+        raise Unreadable(f"is a {kind}, not a regular file: the dashboard reads regular files only")
+    if info.st_size > limit:
+        raise Unreadable(f"is {info.st_size:,} bytes, over the {limit:,} bytes a report may have")
+    return info.st_mtime_ns, info.st_size
+
+
+_KINDS = {
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFDIR: "directory",
+}
+
+
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """The bytes of `path`, a regular file of at most `limit` bytes; Unreadable otherwise.
+    Opened non-blocking and checked again on the open file, so a file swapped for a FIFO
+    between the check and the open cannot block the reader either."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        regular_file_version(os.fstat(fd), limit)
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise Unreadable(f"grew over the {limit:,} bytes a report may have while it was read")
+    return data
 
 
 def report_problem(run: str, report: Any) -> str | None:
@@ -178,8 +226,23 @@ def plotly_js() -> str:
     return get_plotlyjs()
 
 
-def build_app(root: Path) -> FastAPI:
+def build_app(
+    root: Path,
+    bind_host: str = "127.0.0.1",
+    allowed_hosts: str | None = None,
+    allowed_origins: str | None = None,
+) -> FastAPI:
+    """The page and its API over `root`, behind the server's cross-site guard: on a loopback
+    address only loopback Host names (and `allowed_hosts`) are answered, so a page whose name
+    was rebound to 127.0.0.1 reads nothing, and no foreign origin (beyond `allowed_origins`)
+    gets an answer."""
     app = FastAPI(title="workbench dashboard")
+    app.add_middleware(
+        CrossSiteGuard,
+        allowed_origins=allowed_origins,
+        allowed_hosts=allowed_hosts,
+        bind_host=bind_host,
+    )
 
     @app.get("/", response_class=HTMLResponse)
     def page() -> str:
@@ -234,11 +297,20 @@ def build_app(root: Path) -> FastAPI:
     return app
 
 
-def serve_dashboard(root: Path, host: str, port: int) -> None:
+def serve_dashboard(
+    root: Path,
+    host: str,
+    port: int,
+    allowed_hosts: str | None = None,
+    allowed_origins: str | None = None,
+) -> None:
     import uvicorn
 
     if not root.is_dir():
         raise SystemExit(f"workbench dashboard: {root} is not a directory; give the reports dir")
-    found = len(load_runs(root))
-    print(f"dashboard over {found} run(s) in {root}: http://{host}:{port}/")
-    uvicorn.run(build_app(root), host=host, port=port, log_level="warning")
+    runs, skipped = scan_runs(root)
+    print(f"dashboard over {len(runs)} run(s) in {root}: http://{host}:{port}/")
+    for note in skipped:
+        print(f"  skipped {note['file']}: {note['problem']}")
+    app = build_app(root, host, allowed_hosts, allowed_origins)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

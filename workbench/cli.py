@@ -4,6 +4,7 @@ benchmark, export a variant, compare runs on the dashboard, build the demo model
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from catalog.gguf_file import BadGGUF
 from compress.gguf_export import GGUF_TYPES
 from compress.gguf_kquants import K_QUANTS
 from evals.load_cli import add_bench_arguments
@@ -175,7 +177,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_dashboard(args: argparse.Namespace) -> int:
     from reports.dashboard import serve_dashboard
 
-    serve_dashboard(Path(args.reports), args.host, args.port)
+    serve_dashboard(
+        Path(args.reports), args.host, args.port, args.allowed_hosts, args.allowed_origins
+    )
     return 0
 
 
@@ -287,14 +291,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("reports", nargs="?", default="reports", help="reports dir (default reports/)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8050, help="port to bind (default 8050)")
+    p.add_argument(
+        "--allowed-hosts",
+        help="comma-separated Host names answered besides the loopback ones on a loopback "
+        "address (a DNS-rebinding guard), e.g. the name a proxy forwards; * for any",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        help="comma-separated browser origins allowed to call the dashboard's API, or * for any",
+    )
     p.set_defaults(func=cmd_dashboard)
     return parser
+
+
+def exit_on_signal(signum: int, frame: object) -> None:
+    """SIGTERM and SIGHUP end a command as an exception does: `finally` blocks and exit
+    handlers run, so every process it started (the evals' servers) is stopped and no
+    half-written file is left; the same signal again is ignored while that happens."""
+    signal.signal(signum, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, extra = build_parser().parse_known_args(argv)
     keep_freed_memory()
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, exit_on_signal)
     if args.command == "bench-engine":
         args.args = extra + args.args
     elif args.command == "bench":
@@ -303,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
-    except RecipeError as e:
+    except (RecipeError, BadGGUF) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except PipelineError as e:

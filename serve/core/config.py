@@ -105,8 +105,9 @@ class CacheConfig:
     kv_cache_memory_fraction: Annotated[float, Range(0, 1, low_open=True)] = 0.5
     """Fraction of free GPU memory for KV when `kv_cache_bytes` is None (CUDA only)."""
     num_blocks: Annotated[int | None, Range(1)] = None
-    """Exact number of KV blocks requests can use (the cache holds one more, the null block 0,
-    which padding points at); overrides the byte budget, which counts the null block."""
+    """Exact number of KV blocks requests can use (the cache holds one block more, the null
+    block 0, which padding points at, with either this or the byte budget); overrides the byte
+    budget."""
     kv_cache_dtype: KVCacheDtype = "auto"
     """auto: keys and values stored in the model's dtype; int8: symmetric int8 codes with a
     float32 scale per token and KV head (`serve/model/kv_cache.py`): 1 + 4 / head_dim bytes a

@@ -166,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
-    resolve_model_name(args)
+    from catalog.gguf_file import BadGGUF
+
+    try:
+        resolve_model_name(args)
+    except BadGGUF as e:
+        parser.exit(2, f"error: {e}\n")
     return run_server(args)
 
 

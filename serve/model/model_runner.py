@@ -194,7 +194,8 @@ class ModelRunner:
             options.attention_backend, model, device, self.layout, cache.block_size
         )
         self.num_blocks = self._num_blocks(cache)
-        """KV blocks requests can use; the KV tensors hold one more, the null block 0."""
+        """KV blocks requests can use (the budget's); the KV tensors hold one more, the null
+        block 0, which padding points at."""
         smoothing = layer_key_smoothing(model) if cache.kv_cache_dtype == "int8" else None
         self.kv_caches = allocate(
             self.layout, self.num_blocks + 1, cache.block_size, device, smoothing
@@ -239,19 +240,19 @@ class ModelRunner:
                 f"{available / 2**20:.1f} MiB still free on {self.device}; "
                 "give a smaller --kv-cache-memory"
             )
-        num = budget // (self.layout.bytes_per_token() * cache.block_size) - 1  # the null block
+        num = budget // (self.layout.bytes_per_token() * cache.block_size)
         if num < 1:
             raise ValueError(
                 f"a KV budget of {budget} bytes holds no block of {cache.block_size} tokens "
-                f"({self.layout.bytes_per_token() * cache.block_size} bytes) beside the null "
-                "block; give more KV memory"
+                f"({self.layout.bytes_per_token() * cache.block_size} bytes); give more KV memory"
             )
         return num
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the KV tensors: the blocks requests can use and the null block."""
-        return (self.num_blocks + 1) * self.block_size * self.layout.bytes_per_token()
+        """Bytes of the KV blocks requests can use (within the budget; the null block's one
+        block more is not counted)."""
+        return self.num_blocks * self.block_size * self.layout.bytes_per_token()
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         return build_step_inputs(out, self.buffers, self.kv_caches, self.backend)

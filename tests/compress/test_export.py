@@ -146,3 +146,121 @@ def test_cli_export_and_its_errors(
     assert "--format: found 'xml'; allowed: hf, compressed-tensors, gguf" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nowhere"), "--format", "hf"]) == 2
     assert "not a variant dir" in capsys.readouterr().err
+
+
+def _full_after(limit: int) -> object:
+    """A writer's file that takes `limit` bytes, then fails as a full disk does (ENOSPC)."""
+    import errno
+    import os
+
+    class Full:
+        def __init__(self, f: object) -> None:
+            self.f, self.left = f, limit
+
+        def __getattr__(self, name: str) -> object:  # tell, flush, close: the file's own
+            return getattr(self.f, name)
+
+        def write(self, data: bytes) -> int:
+            if len(data) > self.left:
+                self.f.write(bytes(data)[: self.left])  # type: ignore[attr-defined]
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.left -= len(data)
+            return self.f.write(data)  # type: ignore[attr-defined, no-any-return]
+
+    return Full
+
+
+def _nothing_left(out: Path) -> None:
+    assert not out.exists()
+    assert [p.name for p in out.parent.iterdir()] == [], "a temporary dir was left behind"
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_full_disk_mid_export_is_one_error_naming_the_file(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """A write that failed mid-export (a full disk) ended in a traceback (`OSError: 57600
+    requested and 3808 written`); now one ExportError naming the file and the cause, and
+    nothing left behind. The disk fills after 4 kB of the weights file (the writer's file
+    injected at the boundary: safetensors' for hf, gguf's tensor writer for gguf)."""
+    import gguf
+    import numpy as np
+
+    full = _full_after(4096)
+    if fmt == "hf":
+
+        def save_file(state: dict, filename: str, metadata: dict) -> None:
+            from safetensors.torch import save
+
+            with open(filename, "wb") as f:
+                full(f).write(save(state, metadata))  # type: ignore[operator]
+
+        monkeypatch.setattr(export_mod, "save_file", save_file)
+    else:
+        real = gguf.GGUFWriter.write_tensors_to_file
+
+        class Through:
+            """A tensor whose `tofile` goes through the file's `write` (numpy's needs a real
+            file descriptor, which would bypass the full disk)."""
+
+            def __init__(self, array: np.ndarray) -> None:
+                self.array, self.nbytes = array, array.nbytes
+
+            def tofile(self, f: object) -> None:
+                f.write(self.array.tobytes())  # type: ignore[attr-defined]
+
+        def write_tensors(self: gguf.GGUFWriter, **kwargs: object) -> None:
+            self.fout = [full(f) for f in self.fout]  # type: ignore[operator, union-attr]
+            for tensors in self.tensors:
+                for info in tensors.values():
+                    info.tensor = Through(info.tensor)  # type: ignore[assignment, arg-type]
+            real(self, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", write_tensors)
+    out = tmp_path / "exports" / "out"
+    with pytest.raises(ExportError) as caught:
+        export(tiny_model_dir, fmt, out)
+    name = "model.safetensors" if fmt == "hf" else "model.gguf"
+    assert str(caught.value).startswith(
+        f"{out / name}: the write failed: No space left on device; nothing was written"
+    )
+    _nothing_left(out)
+
+
+@pytest.mark.e2e  # `workbench export` in a subprocess under a file size limit
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_file_size_limit_mid_export_is_one_line_from_the_cli(
+    tiny_model_dir: Path, tmp_path: Path, fmt: str
+) -> None:
+    """A real failed write: RLIMIT_FSIZE of 100 kB (SIGXFSZ ignored, so the write fails with
+    EFBIG instead of killing the process) below the 440 kB weights file."""
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limited() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    out = tmp_path / "exports" / "out"
+    out.parent.mkdir()
+    root = Path(__file__).resolve().parents[2]
+    argv = ["export", str(tiny_model_dir), "--format", fmt, "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-B", "-m", "workbench.cli", *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        preexec_fn=limited,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    name = "model.safetensors" if fmt == "hf" else "model.gguf"
+    assert len(errors) == 1 and errors[0].startswith(f"error: {out / name}: the write failed: ")
+    cause = "File too large" if fmt == "hf" else "a short write"
+    assert cause in errors[0] and "nothing was written" in errors[0]
+    _nothing_left(out)

@@ -4,10 +4,13 @@ and variants; a screenshot."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from fastapi.testclient import TestClient
 
 from reports.dashboard import PAIRED_HEAD, build_app
 from reports.render import cell as report_cell
@@ -23,6 +27,7 @@ from reports.render import comparison_rows
 from tests.reports.conftest import Run
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.e2e  # `workbench run` as a subprocess, a browser
 
@@ -41,11 +46,12 @@ def reports_dir(small_run: Run, tmp_path: Path) -> Path:
     return root
 
 
-@pytest.fixture
-def dashboard(reports_dir: Path) -> Iterator[str]:
+@contextlib.contextmanager
+def serving(root: Path) -> Iterator[str]:
+    """The dashboard over `root` on a free loopback port, in a thread; yields its URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(reports_dir), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(root), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -56,6 +62,12 @@ def dashboard(reports_dir: Path) -> Iterator[str]:
     yield url
     server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture
+def dashboard(reports_dir: Path) -> Iterator[str]:
+    with serving(reports_dir) as url:
+        yield url
 
 
 @pytest.fixture
@@ -371,3 +383,175 @@ def test_filters_over_http(dashboard: str, reports_dir: Path) -> None:
     assert r.json()["hidden"] == [f"small / {n}" for n, rate in rates.items() if rate < floor]
     bad = httpx.get(f"{dashboard}/api/compare", params={"runs": "small", "budget_mb": "-1"})
     assert bad.status_code == 422 and "budget_mb" in bad.text
+
+
+MINIMAL_REPORT = {
+    "title": "mine",
+    "created": "2026-12-07",
+    "columns": [{"key": "variant", "label": "variant", "format": "text"}],
+    "variants": [{"name": "base", "row": {"variant": "base"}, "load": None}],
+    "quality_axis": {"key": None},
+}
+"""The least a report holds for the dashboard to list and compare it (no run needed)."""
+
+
+@pytest.fixture
+def own_reports(tmp_path: Path) -> Path:
+    """A reports dir holding one hand-made report, `mine`."""
+    root = tmp_path / "reports"
+    (root / "mine").mkdir(parents=True)
+    (root / "mine" / "report.json").write_text(json.dumps(MINIMAL_REPORT))
+    return root
+
+
+@pytest.fixture
+def own_dashboard(own_reports: Path) -> Iterator[str]:
+    with serving(own_reports) as url:
+        yield url
+
+
+def _skipped(url: str) -> dict[str, str]:
+    notes = httpx.get(f"{url}/api/skipped", timeout=30).json()
+    return {Path(s["file"]).parent.name: s["problem"] for s in notes}
+
+
+def test_foreign_host_rebind_evil_example_reads_no_report(own_dashboard: str) -> None:
+    """A page whose name was rebound to 127.0.0.1 (Host: rebind.evil.example) read every
+    report, /api/skipped and the page: the dashboard had no Host check."""
+    port = own_dashboard.rsplit(":", 1)[1]
+    for route in ("/", "/api/runs", "/api/skipped", "/api/compare?runs=mine"):
+        foreign = httpx.get(own_dashboard + route, headers={"Host": "rebind.evil.example"})
+        assert foreign.status_code == 403, route
+        assert "rebind.evil.example" in foreign.json()["error"]["message"]
+        assert "mine" not in foreign.text
+        own = httpx.get(own_dashboard + route, headers={"Host": f"localhost:{port}"})
+        assert own.status_code == 200, route
+    runs = httpx.get(own_dashboard + "/api/runs", headers={"Host": f"[::1]:{port}"})
+    assert [r["run"] for r in runs.json()] == ["mine"]
+
+
+def test_foreign_origin_reads_no_report(own_dashboard: str) -> None:
+    """A cross-site page's request (Origin of another site) is refused; the dashboard's own
+    page (same origin) is answered."""
+    foreign = httpx.get(
+        own_dashboard + "/api/runs", headers={"Origin": "http://rebind.evil.example"}
+    )
+    assert foreign.status_code == 403 and "mine" not in foreign.text
+    assert "cross-origin request" in foreign.json()["error"]["message"]
+    same = httpx.get(own_dashboard + "/api/runs", headers={"Origin": own_dashboard})
+    assert same.status_code == 200 and [r["run"] for r in same.json()] == ["mine"]
+
+
+def test_allowed_host_is_answered(own_reports: Path) -> None:
+    app = build_app(own_reports, "127.0.0.1", allowed_hosts="dash.example")
+    with TestClient(app, base_url="http://dash.example") as client:
+        assert client.get("/api/runs").json()[0]["run"] == "mine"
+    with TestClient(app, base_url="http://rebind.evil.example") as client:
+        assert client.get("/api/runs").status_code == 403
+
+
+def test_fifo_named_report_json_does_not_hang_api_runs(
+    own_dashboard: str, own_reports: Path
+) -> None:
+    """A FIFO named report.json hung /api/runs (its open waited for a writer that never
+    came): now it is skipped unopened, with a note, and the other reports are listed."""
+    (own_reports / "pipe").mkdir()
+    os.mkfifo(own_reports / "pipe" / "report.json")
+    runs = httpx.get(f"{own_dashboard}/api/runs", timeout=30)
+    assert [r["run"] for r in runs.json()] == ["mine"]
+    assert "is a FIFO, not a regular file" in _skipped(own_dashboard)["pipe"]
+    compared = httpx.get(f"{own_dashboard}/api/compare", params={"runs": "mine"}, timeout=30)
+    assert [row["label"] for row in compared.json()["rows"]] == ["mine / base"]
+
+
+def test_special_files_named_report_json_are_skipped_with_a_note(
+    own_dashboard: str, own_reports: Path
+) -> None:
+    """A directory, a device and a socket named report.json: each skipped, named by kind."""
+    (own_reports / "dir" / "report.json").mkdir(parents=True)
+    (own_reports / "device").mkdir()
+    (own_reports / "device" / "report.json").symlink_to("/dev/zero")
+    (own_reports / "sock").mkdir()
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(own_reports / "sock" / "report.json"))
+    try:
+        skipped = _skipped(own_dashboard)
+    finally:
+        listener.close()
+    assert "is a directory" in skipped["dir"]
+    assert "is a character device" in skipped["device"]
+    assert "is a socket" in skipped["sock"]
+    runs = httpx.get(f"{own_dashboard}/api/runs", timeout=30).json()
+    assert [r["run"] for r in runs] == ["mine"]
+
+
+def test_oversized_report_json_is_skipped_unread(
+    own_dashboard: str, own_reports: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from reports import dashboard as dashboard_mod
+
+    monkeypatch.setattr(dashboard_mod, "MAX_REPORT_BYTES", 4096)
+    (own_reports / "big").mkdir()
+    big = {**MINIMAL_REPORT, "title": "x" * 5000}
+    (own_reports / "big" / "report.json").write_text(json.dumps(big))
+    read: list[Path] = []
+    real = dashboard_mod.read_regular_file
+    monkeypatch.setattr(
+        dashboard_mod, "read_regular_file", lambda p, n: read.append(p) or real(p, n)
+    )
+    skipped = _skipped(own_dashboard)
+    assert "over the 4,096 bytes a report may have" in skipped["big"]
+    assert own_reports / "big" / "report.json" not in read
+
+
+def test_report_json_that_is_not_json_is_skipped_with_a_note(
+    own_dashboard: str, own_reports: Path
+) -> None:
+    """Text that does not parse, bytes that are not UTF-8, and JSON nested deeper than the
+    parser takes ('[' x 100,000: a RecursionError) are each skipped with a note."""
+    cases = {"text": b"{not json", "latin1": b'{"title": "\xe9"}', "deep": b"[" * 100_000}
+    for run, content in cases.items():
+        (own_reports / run).mkdir()
+        (own_reports / run / "report.json").write_bytes(content)
+    skipped = _skipped(own_dashboard)
+    assert "is not JSON" in skipped["text"] and "is not JSON" in skipped["latin1"]
+    assert "nests deeper than the parser takes" in skipped["deep"]
+    assert [r["run"] for r in httpx.get(f"{own_dashboard}/api/runs").json()] == ["mine"]
+
+
+def test_fifo_named_report_json_does_not_keep_the_dashboard_from_starting(
+    own_reports: Path,
+) -> None:
+    """`workbench dashboard` read every report before it listened: a FIFO named report.json
+    kept it from ever starting. Now it starts, prints the skipped file, and serves."""
+    (own_reports / "pipe").mkdir()
+    os.mkfifo(own_reports / "pipe" / "report.json")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workbench.cli", "dashboard", str(own_reports), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # printed after the scan, before it listens
+        assert first.startswith("dashboard over 1 run(s)"), first
+        assert "pipe/report.json: is a FIFO" in proc.stdout.readline()
+        runs = _get_when_listening(f"http://127.0.0.1:{port}/api/runs", proc)
+        assert [r["run"] for r in runs.json()] == ["mine"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _get_when_listening(url: str, proc: subprocess.Popen) -> httpx.Response:
+    for _ in range(600):
+        assert proc.poll() is None, "the dashboard exited"
+        with contextlib.suppress(httpx.ConnectError):
+            return httpx.get(url, timeout=30)
+        time.sleep(0.1)
+    raise AssertionError(f"{url} did not answer")
