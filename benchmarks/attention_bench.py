@@ -1,6 +1,7 @@
 """Paged decode attention candidates at the engine's decode shapes, one layer, same inputs.
 
-`python -m benchmarks.attention_bench [--sequences 64] [--min-len 50] [--max-len 260] [--rounds 20]`
+`python -m benchmarks.attention_bench [--sequences 64] [--min-len 50] [--max-len 260] [--rounds 20]
+[--device cpu|cuda]`
 
 Shapes of the 25M Llama (8 heads, 4 KV heads, head dim 64, KV blocks of 8), float32, each
 sequence's blocks scattered at random over the pool. Candidates:
@@ -9,8 +10,14 @@ sequence's blocks scattered at random over the pool. Candidates:
 - `flex`: FlexAttention compiled for the CPU (inductor), all queries as one sequence over the
   flat slot pool, with a block mask of (1 query x 8 slots) blocks built from the block tables
   (mask: the slot belongs to the query's sequence and lies before its length). Compile time and
-  block-mask time are reported apart; `--no-flex` skips it.
-Reports the median time per call (min-max) and the largest difference to the reference backend.
+  block-mask time are reported apart; `--no-flex` skips it (and it runs only on the CPU);
+- `flex-backend`: the engine's `flex` backend (`serve/model/flex_attention.py`): on CUDA compiled
+  Triton over the cache in place, on the CPU eager over gathered blocks;
+- `padded-sdpa`: the engine's `padded-sdpa` backend, every decode in one SDPA call.
+The two engine backends are timed on a second layer of the step (their block masks and batches
+are built by the first layer of each forward: that time is printed apart).
+Reports the median time per call (min-max) against the baseline (paged-cpu on the CPU, sdpa on
+CUDA) and the largest difference to the reference backend.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from serve.model.attention import (
     SDPABackend,
 )
 from serve.model.cpu_attention import PagedCPUBackend
+from serve.model.flex_attention import FlexAttentionBackend
+from serve.model.padded_attention import PaddedSDPABackend
 from serve.model.step_inputs import decode_groups
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 8
@@ -71,6 +80,11 @@ def flex_candidate(
     return run, {"block_mask_s": mask_s, "compile_s": time.perf_counter() - start}
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sequences", type=int, default=64)
@@ -78,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=260)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
     rng = random.Random(0)
     lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.sequences)]
     counts = [-(-n // BLOCK) for n in lens]
@@ -87,25 +103,37 @@ def main(argv: list[str] | None = None) -> int:
     tables = [[pool.pop() for _ in range(c)] for c in counts]
     torch.manual_seed(0)
     shape = (sum(counts) + 64, BLOCK, KV_HEADS, HEAD_DIM)
-    k, v, q = torch.randn(shape), torch.randn(shape), torch.randn(len(lens), HEADS, HEAD_DIM)
+    k, v = torch.randn(shape).to(device), torch.randn(shape).to(device)
+    q = torch.randn(len(lens), HEADS, HEAD_DIM).to(device)
     scale = HEAD_DIM**-0.5
 
-    rows, cpu = list(range(len(lens))), torch.device("cpu")
+    rows = list(range(len(lens)))
+    first_layer = (torch.zeros_like(k), torch.zeros_like(v))
 
     def meta(size: int | None) -> AttentionMetadata:
-        groups = decode_groups(rows, tables, lens, BLOCK, size, cpu)
-        return AttentionMetadata([(k, v)], torch.empty(0), [], groups, SDPABackend())
+        groups = decode_groups(rows, tables, lens, BLOCK, size, device)
+        return AttentionMetadata([first_layer, (k, v)], torch.empty(0), [], groups, SDPABackend())
 
     reference = ReferenceBackend().attend(q, k, v, meta(None), scale)
-    paged, sdpa = PagedCPUBackend(), SDPABackend()
+    sdpa, flex, padded = SDPABackend(), FlexAttentionBackend(), PaddedSDPABackend()
     one_group, groups_of_16 = meta(None), meta(DECODE_GROUP_SIZE)
     candidates: dict[str, Callable[[], torch.Tensor]] = {
-        "paged-cpu": lambda: paged.attend(q, k, v, one_group, scale),
         "sdpa": lambda: sdpa.attend(q, k, v, groups_of_16, scale),
+        "flex-backend": lambda: flex.attend(q, k, v, one_group, scale),
+        "padded-sdpa": lambda: padded.attend(q, k, v, one_group, scale),
     }
+    if device.type == "cpu":
+        paged = PagedCPUBackend()
+        candidates = {"paged-cpu": lambda: paged.attend(q, k, v, one_group, scale), **candidates}
+    for name, backend in (("flex-backend", flex), ("padded-sdpa", padded)):
+        start = time.perf_counter()
+        backend.attend(q, *first_layer, one_group, scale)  # builds the step's batches
+        backend.attend(q, k, v, one_group, scale)  # compiles, on CUDA
+        sync(device)
+        print(f"{name}: the step's batches and first calls {time.perf_counter() - start:.2f} s")
     threads = torch.get_num_threads()
     print(f"{len(lens)} sequences, {sum(lens)} context tokens, float32, {threads} threads")
-    if not args.no_flex:
+    if not args.no_flex and device.type == "cpu":
         run, setup = flex_candidate(q, k, v, tables, lens)
         candidates["flex"] = run
         mask_s, compile_s = setup["block_mask_s"], setup["compile_s"]
@@ -116,17 +144,19 @@ def main(argv: list[str] | None = None) -> int:
             for name, run in candidates.items():
                 start = time.perf_counter()
                 out = run()
+                sync(device)
                 if r:
                     times[name].append(time.perf_counter() - start)
                 else:
                     diff = (out - reference).abs().max().item()
                     print(f"{name}: largest difference to the reference {diff:.2e}")
-    base = statistics.median(times["paged-cpu"])
+    baseline = next(iter(candidates))
+    base = statistics.median(times[baseline])
     for name, values in times.items():
         median = statistics.median(values)
         print(
-            f"{name:>9}: {median * 1000:6.2f} ms per layer ({min(values) * 1000:.2f}-"
-            f"{max(values) * 1000:.2f}), x{median / base:.2f} of paged-cpu"
+            f"{name:>12}: {median * 1000:6.2f} ms per layer ({min(values) * 1000:.2f}-"
+            f"{max(values) * 1000:.2f}), x{median / base:.2f} of {baseline}"
         )
     return 0
 

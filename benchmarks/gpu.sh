@@ -77,8 +77,8 @@ run() {
   nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
   timeout "${TEST_SECONDS:-120}" python3 -m pytest -p no:cacheprovider -m gpu -o addopts="" \
-    tests/serve/test_cuda.py tests/compress/test_packed.py tests/compress/test_packed_cuda.py \
-    -ra -s --durations=10 2>&1 | tee "$out/pytest.log" || true
+    tests/serve/test_cuda.py tests/serve/test_flex_attention.py tests/compress/test_packed.py \
+    tests/compress/test_packed_cuda.py -ra -s --durations=10 2>&1 | tee "$out/pytest.log" || true
   [ "${BENCH:-1}" = 1 ] || return 0
   local table=(--out "$out/table")
   [ -z "$dry" ] || table+=(--dry-run)

@@ -117,7 +117,7 @@ class CacheConfig:
         check_fields(self)
 
 
-AttentionBackend = Literal["auto", "paged-cpu", "sdpa", "reference"]
+AttentionBackend = Literal["auto", "paged-cpu", "flex", "padded-sdpa", "sdpa", "reference"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 ATTENTION_BACKENDS: tuple[str, ...] = typing.get_args(AttentionBackend)
 
@@ -133,8 +133,11 @@ class ModelConfig:
     """cpu, cuda or cuda:N; auto: cuda when available."""
     attention_backend: AttentionBackend = "auto"
     """`paged-cpu` (C kernel reading KV blocks in place: CPU, float32 or bfloat16, needs a C
-    compiler), `sdpa` (gathered blocks, any device) or `reference` (plain per-sequence loop);
-    auto: paged-cpu where it runs, else sdpa."""
+    compiler), `flex` (FlexAttention over a block mask, one call a layer for the decodes and one
+    for the prefill chunks: compiled Triton on CUDA, eager on the CPU), `padded-sdpa` (the same
+    two calls through SDPA over gathered blocks), `sdpa` (gathered blocks, decodes in groups of
+    similar lengths, each prefill alone) or `reference` (plain per-sequence loop); auto: on CUDA
+    flex where it runs, else padded-sdpa; on the CPU paged-cpu where it runs, else sdpa."""
     prepack_linears: bool = True
     """On the CPU: run plain float32 or bfloat16 linear layers through oneDNN with prepacked
     weights (`serve/model/cpu_linear.py`), and bitsandbytes nf4 / fp4 / int8 ones through the

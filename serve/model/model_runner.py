@@ -38,6 +38,7 @@ from serve.model.attention import (
     step_context,
 )
 from serve.model.compilation import CompiledForward, CompileReport, warm_up
+from serve.model.flex_attention import cuda_backend
 from serve.model.graph_runner import GraphedDecodes
 from serve.model.graphs import CUDAGraphBackend, GraphBackend, why_not_graphable
 from serve.model.input_buffers import BufferLimits, StepBuffers
@@ -131,11 +132,14 @@ def buffer_limits(scheduler: SchedulerConfig, cache: CacheConfig, num_blocks: in
 
 
 def make_backend(
-    name: str, model: PreTrainedModel, device: torch.device, layout: KVLayout
+    name: str, model: PreTrainedModel, device: torch.device, layout: KVLayout, block_size: int
 ) -> AttentionBackend:
-    """auto: `paged-cpu` where its kernel runs (CPU, float32 or bfloat16, a C compiler), else
-    `sdpa`. An explicit `paged-cpu` that cannot run is refused with the reason; only these two
-    names build the kernel."""
+    """auto: on CUDA `flex` where it runs, else `padded-sdpa` (`flex_attention.cuda_backend`);
+    on the CPU `paged-cpu` where its kernel runs (float32 or bfloat16, a C compiler), else `sdpa`.
+    An explicit `paged-cpu` that cannot run is refused with the reason; only these two names
+    build the kernel."""
+    if one_call := cuda_backend(name, device, block_size, layout.head_dim):
+        return one_call
     if name in ("auto", "paged-cpu"):
         heads = model.config.get_text_config().num_attention_heads
         why_not = cpu_attention.unsupported_reason(
@@ -186,7 +190,9 @@ class ModelRunner:
         self.model, self.device, self.block_size = model, device, cache.block_size
         # the float parameters' dtype
         self.layout = kv_layout(model, model.dtype, cache.kv_cache_dtype)
-        self.backend = make_backend(options.attention_backend, model, device, self.layout)
+        self.backend = make_backend(
+            options.attention_backend, model, device, self.layout, cache.block_size
+        )
         self.num_blocks = self._num_blocks(cache)
         """KV blocks requests can use (the budget's); the KV tensors hold one more, the null
         block 0, which padding points at."""

@@ -16,7 +16,13 @@ import torch
 
 from compress.load_spec import NO_HUB_KERNELS
 from serve import LLMEngine, SamplingParams
-from serve.core.config import CacheConfig, KVCacheDtype, ModelConfig, SchedulerConfig
+from serve.core.config import (
+    AttentionBackend,
+    CacheConfig,
+    KVCacheDtype,
+    ModelConfig,
+    SchedulerConfig,
+)
 from serve.lora.manager import LoraConfig
 from serve.model.kv_cache import Int8KV
 from tests.serve.conftest import Case, generate_each, make_cases
@@ -38,9 +44,17 @@ def cuda_engine(
     kv_cache_dtype: KVCacheDtype = "auto",
     lora: LoraConfig | None = None,
     compile_model: bool = False,
+    backend: AttentionBackend = "auto",
 ) -> LLMEngine:
+    model = ModelConfig(
+        str(model_dir),
+        dtype=dtype,  # type: ignore[arg-type]
+        device="cuda",
+        compile=compile_model,
+        attention_backend=backend,
+    )
     return LLMEngine(
-        ModelConfig(str(model_dir), dtype=dtype, device="cuda", compile=compile_model),  # type: ignore[arg-type]
+        model,
         CacheConfig(block_size=16, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype),
         SchedulerConfig(max_num_batched_tokens=budget),
         lora=lora,
@@ -111,23 +125,30 @@ def test_bf16_engine_is_as_close_to_float32_as_transformers_bf16_on_cuda(
     assert 0 < ours <= 1.5 * theirs, (ours, theirs)
 
 
+ONE_CALL: list[AttentionBackend] = ["flex", "padded-sdpa"]
+"""The CUDA backends attending every decode in one call a layer, every prefill chunk in another
+(auto picks flex where it runs): each token-exact in float32 like the CPU's."""
+
+
+@pytest.mark.parametrize("backend", ONE_CALL)
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mistral"])
 def test_float32_engine_equals_generate_on_cuda(
-    arch: str, model_dirs: dict[str, Path], cases: list[Case]
+    arch: str, backend: AttentionBackend, model_dirs: dict[str, Path], cases: list[Case]
 ) -> None:
-    engine = cuda_engine(model_dirs[arch])
+    engine = cuda_engine(model_dirs[arch], backend=backend)
     assert engine.runner.device.type == "cuda"
     expected = generate_each(cuda_model(model_dirs[arch]), cases)
     assert_equal(run(engine, cases), expected, list(range(len(cases))))
 
 
+@pytest.mark.parametrize("backend", ONE_CALL)
 def test_float32_engine_on_cuda_keeps_its_tokens_through_preemption_chunks_and_prefix_hits(
-    model_dirs: dict[str, Path], cases: list[Case]
+    backend: AttentionBackend, model_dirs: dict[str, Path], cases: list[Case]
 ) -> None:
     """A 40-block pool preempts, a 128-token budget chunks prompts, the second pass hits the
     prefix cache: the same tokens as with ample KV, and every block free after each run (`run`)."""
-    ample = run(cuda_engine(model_dirs["llama"]), cases)
-    tight = cuda_engine(model_dirs["llama"], num_blocks=40, budget=128)
+    ample = run(cuda_engine(model_dirs["llama"], backend=backend), cases)
+    tight = cuda_engine(model_dirs["llama"], num_blocks=40, budget=128, backend=backend)
     ids = list(range(len(cases)))
     assert_equal(run(tight, cases), [ample[i] for i in ids], ids)
     assert_equal(run(tight, cases[:8]), [ample[i] for i in range(8)], list(range(8)))
@@ -167,17 +188,51 @@ def test_lora_mixed_batch_equals_peft_on_cuda(model_dirs: dict[str, Path], tmp_p
     assert engine.scheduler.pool.num_free_blocks == engine.runner.num_blocks
 
 
+@pytest.mark.parametrize("backend", ONE_CALL)
 def test_int8_kv_on_cuda_equals_generate_over_keys_and_values_rounded_as_stored(
-    model_dirs: dict[str, Path], cases: list[Case]
+    backend: AttentionBackend, model_dirs: dict[str, Path], cases: list[Case]
 ) -> None:
     from evals.int8_kv import with_kv_cache_dtype
 
-    engine = cuda_engine(model_dirs["llama"], kv_cache_dtype="int8")
+    engine = cuda_engine(model_dirs["llama"], kv_cache_dtype="int8", backend=backend)
     keys = engine.runner.kv_caches[0][0]
     assert isinstance(keys, Int8KV) and keys.data.is_cuda and keys.data.dtype == torch.int8
     model = with_kv_cache_dtype(cuda_model(model_dirs["llama"]), "int8")
     expected = generate_each(model, cases[:12])
     assert_equal(run(engine, cases[:12]), expected, list(range(12)))
+
+
+@pytest.mark.parametrize("backend", ONE_CALL)
+def test_one_call_backends_replay_decode_graphs_on_cuda(
+    backend: AttentionBackend, model_dirs: dict[str, Path], cases: list[Case]
+) -> None:
+    """Gemma 3 (sliding-window layers) on CUDA graphs: decode steps replay captured graphs
+    through the backend, token-equal to the same backend run eagerly and to `generate`."""
+    model_dir = model_dirs["gemma3"]
+    engine = cuda_engine(model_dir, backend=backend)
+    kind = {"flex": "FlexAttentionBackend", "padded-sdpa": "PaddedSDPABackend"}[backend]
+    assert type(engine.runner.backend).__name__ == kind
+    graphed = run(engine, cases[:16])
+    assert dict(engine.stats().decode_paths)["graph"] > 0
+    eager = LLMEngine(
+        ModelConfig(
+            str(model_dir),
+            dtype="float32",
+            device="cuda",
+            attention_backend=backend,
+            enforce_eager=True,
+        ),
+        CacheConfig(block_size=16, num_blocks=512),
+        SchedulerConfig(max_num_batched_tokens=2048),
+    )
+    ids = list(range(16))
+    assert_equal(run(eager, cases[:16]), [graphed[i] for i in ids], ids)
+    assert_equal(graphed, generate_each(cuda_model(model_dir), cases[:16]), ids)
+
+
+def test_auto_attention_on_cuda_is_flex(model_dirs: dict[str, Path]) -> None:
+    engine = cuda_engine(model_dirs["llama"], num_blocks=16)
+    assert type(engine.runner.backend).__name__ == "FlexAttentionBackend"
 
 
 def test_seeded_samples_on_cuda_do_not_depend_on_the_batch(

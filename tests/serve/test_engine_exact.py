@@ -75,7 +75,12 @@ def assert_equal(outputs: dict[int, list[int]], reference: list[list[int]], ids:
         )
 
 
-@pytest.mark.parametrize("backend", [PAGED_CPU, "sdpa"])
+ONE_CALL = ["flex", "padded-sdpa"]
+"""The backends attending every decode in one call a layer and every prefill chunk in another
+(`serve/model/flex_attention.py`, `serve/model/padded_attention.py`)."""
+
+
+@pytest.mark.parametrize("backend", [PAGED_CPU, "sdpa", *ONE_CALL])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_ample_kv(
     arch: str, backend: str, model_dirs: dict[str, Path], cases: list[Case], references: dict
@@ -92,7 +97,7 @@ def test_reference_backend_agrees(
     assert_equal(run(engine, cases[:12]), references["llama"], list(range(12)))
 
 
-@pytest.mark.parametrize("backend", [PAGED_CPU, "sdpa"])
+@pytest.mark.parametrize("backend", [PAGED_CPU, "sdpa", *ONE_CALL])
 def test_tiny_kv_pool_preempts_repeatedly(
     backend: str, model_dirs: dict[str, Path], cases: list[Case], references: dict
 ) -> None:
@@ -102,7 +107,7 @@ def test_tiny_kv_pool_preempts_repeatedly(
     assert_equal(outputs, references["llama"], list(range(len(cases))))
 
 
-@pytest.mark.parametrize("backend", [PAGED_CPU, "sdpa", "reference"])
+@pytest.mark.parametrize("backend", [PAGED_CPU, "sdpa", "reference", *ONE_CALL])
 def test_sliding_window_with_chunked_prefill_and_preemption(
     backend: str, model_dirs: dict[str, Path], cases: list[Case], references: dict
 ) -> None:
@@ -114,10 +119,26 @@ def test_sliding_window_with_chunked_prefill_and_preemption(
     assert_equal(outputs, references["gemma3"], list(range(len(cases))))
 
 
-def test_small_token_budget_chunks_prefill(
+def test_flex_reading_the_cache_in_place_equals_generate(
     model_dirs: dict[str, Path], cases: list[Case], references: dict
 ) -> None:
-    engine = make_engine(model_dirs["qwen2"], budget=48)
+    """The layout flex uses on CUDA (keys read from the whole cache, blocks found through the
+    tables), run eagerly here: Gemma 3's windows, chunked prefill, preemption, a small pool
+    (eagerly flex scores every key of the cache)."""
+    from serve.model.flex_attention import FlexAttentionBackend
+
+    engine = make_engine(model_dirs["gemma3"], num_blocks=48, budget=24, backend="flex")
+    engine.runner.backend = FlexAttentionBackend("paged")
+    outputs = run(engine, cases)
+    assert engine.stats().num_preemptions >= 2
+    assert_equal(outputs, references["gemma3"], list(range(len(cases))))
+
+
+@pytest.mark.parametrize("backend", ["auto", *ONE_CALL])
+def test_small_token_budget_chunks_prefill(
+    backend: str, model_dirs: dict[str, Path], cases: list[Case], references: dict
+) -> None:
+    engine = make_engine(model_dirs["qwen2"], budget=48, backend=backend)
     seen: list[SchedulerOutput] = []
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: seen.append(schedule()) or seen[-1]  # type: ignore[method-assign]
@@ -128,23 +149,27 @@ def test_small_token_budget_chunks_prefill(
     assert_equal(outputs, references["qwen2"], list(range(len(cases))))
 
 
-def test_shared_prefixes_hit_the_cache(model_dirs: dict[str, Path], cases: list[Case]) -> None:
+@pytest.mark.parametrize("backend", ["auto", *ONE_CALL])
+def test_shared_prefixes_hit_the_cache(
+    backend: str, model_dirs: dict[str, Path], cases: list[Case]
+) -> None:
     shared = cases[1].prompt[:100]  # 6 full blocks
     prefixed = [Case(shared + c.prompt[:40], c.max_tokens) for c in cases[:12]]
     reference = reference_outputs(model_dirs["llama"], prefixed)
-    engine = make_engine(model_dirs["llama"])
+    engine = make_engine(model_dirs["llama"], backend=backend)
     outputs = run(engine, prefixed, arrivals={0: [0], 3: list(range(1, 12))})
     stats = engine.stats()
     assert stats.prefix_cache_hits == 11 * 96
     assert_equal(outputs, reference, list(range(12)))
 
 
+@pytest.mark.parametrize("backend", ["auto", *ONE_CALL])
 def test_full_prefix_hit_recomputes_last_block(
-    model_dirs: dict[str, Path], cases: list[Case], references: dict
+    backend: str, model_dirs: dict[str, Path], cases: list[Case], references: dict
 ) -> None:
     """A prompt of exactly 4 cached blocks reuses 3 and computes the last block again."""
     prompt = cases[1].prompt[:64]
-    engine = make_engine(model_dirs["llama"])
+    engine = make_engine(model_dirs["llama"], backend=backend)
     twice = [Case(prompt, 8), Case(prompt, 8)]
     outputs = run(engine, twice, arrivals={0: [0], 2: [1]})
     assert outputs[0] == outputs[1]

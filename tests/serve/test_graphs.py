@@ -89,7 +89,7 @@ def make_engine(
     return engine
 
 
-@pytest.mark.parametrize("backend", ["reference", PAGED_CPU])
+@pytest.mark.parametrize("backend", ["reference", PAGED_CPU, "flex", "padded-sdpa"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_graph_decodes_are_token_equal_to_eager_at_every_bucket(
     model_dirs: dict[str, Path], arch: str, backend: str, monkeypatch: pytest.MonkeyPatch
@@ -119,7 +119,7 @@ def kv_slots(engine: LLMEngine) -> list[torch.Tensor]:
     return [c.flatten(0, 1).flatten(1).clone() for pair in engine.runner.kv_caches for c in pair]
 
 
-@pytest.mark.parametrize("backend", ["reference", PAGED_CPU])
+@pytest.mark.parametrize("backend", ["reference", PAGED_CPU, "flex", "padded-sdpa"])
 def test_a_padded_step_leaves_every_block_but_its_own_slots_and_the_null_block_identical(
     model_dirs: dict[str, Path], backend: str
 ) -> None:
