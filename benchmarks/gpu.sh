@@ -27,9 +27,9 @@ WHEELS=.whl
 # Packages our code imports that the image does not hold, or holds at another version. Exact
 # versions are read from this checkout's .venv so both machines run the same libraries.
 PACKAGES="transformers huggingface-hub hf-xet tokenizers safetensors accelerate peft kernels tomlkit
-httpx2 httpcore2 truststore idna h11 anyio pydantic pydantic-core annotated-types typing-inspection
-typing-extensions typer click shellingham annotated-doc platformdirs pyyaml regex tqdm rich fastapi
-starlette uvicorn opentelemetry-api termcolor"
+httpx httpcore httpx2 httpcore2 truststore idna h11 anyio pydantic pydantic-core annotated-types
+typing-inspection typing-extensions typer click shellingham annotated-doc platformdirs pyyaml regex
+tqdm rich fastapi starlette uvicorn opentelemetry-api termcolor prometheus-client"
 # Packages published as source only (pure Python): built into wheels here.
 SDISTS="hqq"
 CACHE=.gpucache
@@ -76,15 +76,16 @@ run() {
   export WORKBENCH_CACHE_DIR=$scratch/wbcache
   nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
-  timeout "${TEST_SECONDS:-120}" python3 -m pytest -p no:cacheprovider -m gpu -o addopts="" \
-    tests/serve/test_cuda.py tests/serve/test_flex_attention.py tests/compress/test_packed.py \
+  timeout "${TEST_SECONDS:-150}" python3 -m pytest -p no:cacheprovider -m gpu -o addopts="" \
+    tests/serve/test_cuda.py tests/serve/test_cuda_graphs.py tests/serve/test_flex_attention.py \
+    tests/compress/test_packed.py \
     tests/compress/test_packed_cuda.py -ra -s --durations=10 2>&1 | tee "$out/pytest.log" || true
   [ "${BENCH:-1}" = 1 ] || return 0
   local table=(--out "$out/table")
   [ -z "$dry" ] || table+=(--dry-run)
   [ -z "${MODELS:-}" ] || table+=(--models "$MODELS")
   [ -z "${BATCHES:-}" ] || table+=(--batches "$BATCHES")
-  timeout "${TABLE_SECONDS:-150}" python3 -m benchmarks.gpu_decode_table "${table[@]}" \
+  timeout "${TABLE_SECONDS:-130}" python3 -m benchmarks.gpu_decode_table "${table[@]}" \
     2>&1 | grep -v '^USDT:' | tee "$out/gpu_decode_table.txt"
   [ "${STEP_BENCH:-0}" = 1 ] || return 0
   local device=cuda
