@@ -206,6 +206,8 @@ class ModelRunner:
         lora = options.lora
         self.adapters = AdapterManager(model, lora, device, self.layout.dtype) if lora else None
         """The LoRA layers wrapped around the model's linears and their device slots."""
+        self.graphs: GraphedDecodes | None = None
+        """The captured decode graphs; None: every step runs eagerly."""
         self.compiled: CompiledForward | None = None
         """The forward through `torch.compile` (`--compile`); None: the model is called as is."""
         self.compile_report: CompileReport | None = None
@@ -214,8 +216,6 @@ class ModelRunner:
             self.compile_report = warm_up(
                 self.compiled, self.execute, self.block_size, self.num_blocks
             )
-        self.graphs: GraphedDecodes | None = None
-        """The captured decode graphs; None: every step runs eagerly."""
         if options.cuda_graphs and device.type == "cuda" and self.compiled is None:
             why = why_not_graphable(model, self.backend.static_decodes)
             if why is None:
