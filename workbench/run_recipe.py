@@ -24,6 +24,7 @@ from workbench.executor import Executor, LocalExecutor, describe
 from workbench.pipeline import Pipeline
 from workbench.recipe import Recipe, RecipeError, load_recipe
 from workbench.run_tasks import Measured
+from workbench.storage import check_writable
 from workbench.task_graph import TaskGraph
 
 
@@ -82,6 +83,7 @@ def run(
         recipe_dir=Path(recipe_path).parent.absolute(),
     )
     executor = executor or LocalExecutor()
+    check_writable(work)
     chosen = pipeline.variants(variants)
     prepare = getattr(executor, "prepare", None)
     gpus = prepare(recipe, work) if prepare is not None else False  # checks before any work
