@@ -100,7 +100,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             executor=_executor(args),
         )
     except (ExecutorError, LeaseError, StorageError) as e:
-        console.print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if result.report is None:  # a non-main process of a distributed run
         return 0
