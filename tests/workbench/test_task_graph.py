@@ -47,7 +47,12 @@ def test_shared_prefixes_build_once_and_other_dirs_are_mirrors(tmp_path: Path) -
     # base's identity hash is twice's first step: built once, into base's dir, and mirrored
     # into artifacts/ for twice; the int8 quantization is built once for three variants
     assert hashes["base"][0] == hashes["twice"][0]
-    assert set(builds) == {*hashes["base"], hashes["twice"][1], hashes["int8"][0], hashes["int8-lora"][1]}
+    assert set(builds) == {
+        *hashes["base"],
+        hashes["twice"][1],
+        hashes["int8"][0],
+        hashes["int8-lora"][1],
+    }
     assert builds[hashes["base"][0]].out == "variants/base"
     assert builds[hashes["int8"][0]].out == "variants/int8"
     mirrors = {n.out: n.deps for n in graph.nodes.values() if n.kind == "mirror"}
@@ -141,7 +146,9 @@ def test_bad_resources_name_the_field(tmp_path: Path, where: str, text: str, exp
     from workbench.recipe_errors import RecipeError
 
     path = tmp_path / "recipe.yaml"
-    path.write_text(RECIPE.replace("    resources: {gpus: 2, memory: 3GiB, accelerator_type: H100}\n", text))
+    path.write_text(
+        RECIPE.replace("    resources: {gpus: 2, memory: 3GiB, accelerator_type: H100}\n", text)
+    )
     with pytest.raises(RecipeError) as raised:
         load_recipe(path)
     assert str(path) in str(raised.value) and expected in str(raised.value), where
