@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol
 
 from workbench.task_graph import Node
 
+
 class ExecutorError(RuntimeError):
     """The executor cannot run this graph as asked (no cluster at the address, a task no node
     can hold, storage some node cannot see); raised before any task starts."""

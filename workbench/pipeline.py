@@ -193,7 +193,7 @@ class Pipeline:
         """The node's artifact when it is committed and intact (never with `force`)."""
         assert node.out is not None
         expected = node.deps[0] if node.kind == "mirror" else node.key
-        path, problems = self.work_dir / node.out, []
+        path, problems = self.work_dir / node.out, list[str]()
         if self.force or _reusable(path, expected, problems) is None:
             if problems:
                 self._problems[node.key] = problems[0]

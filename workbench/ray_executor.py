@@ -225,9 +225,11 @@ def _check_feasible(todo: Sequence[Node], nodes: list[dict[str, Any]]) -> None:
     if problems:
         largest = max(nodes, key=lambda n: n["Resources"].get("CPU", 0))["Resources"]
         has = ", ".join(f"{k} {v:g}" for k, v in sorted(largest.items()) if "node:" not in k)
-        slot = f'; start each node with --resources \'{{"{LOAD_SLOT}": 1}}\'' if any(
-            LOAD_SLOT in p for p in problems
-        ) else ""
+        slot = (
+            f"; start each node with --resources '{{\"{LOAD_SLOT}\": 1}}'"
+            if any(LOAD_SLOT in p for p in problems)
+            else ""
+        )
         raise ExecutorError(
             "no node of the cluster can run: " + "; ".join(problems) + f" (the largest node has "
             f"{has}){slot}; lower the recipe's resources: or add a node that has them"

@@ -107,7 +107,7 @@ class RunTasks:
         assert node.kind == "serving", f"{node.key}: not a task (the driver writes the report)"
         from evals.serving_evals import measure_serving
 
-        out, lines = Measurements(), []
+        out, lines = Measurements(), list[str]()
         measure_serving(recipe.evals, results, work, force, out, lines.append)
         record_gpu(recipe, results, work, out)
         return Measured(out, out.reused, lines)

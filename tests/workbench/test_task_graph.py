@@ -90,7 +90,7 @@ def test_resource_defaults_follow_the_base_size_and_the_step_kind(tmp_path: Path
     assert default_shape("calibrate", 1000, gpus=True) == Shape(1.0, 1.0, MIN_MEMORY)
     serving = default_shape("serving", GIB, gpus=True)
     assert serving == Shape(2.0, 1.0, 2 * GIB, load_slot=True)
-    recipe, graph = _graph(tmp_path, gpus=True)
+    _recipe, graph = _graph(tmp_path, gpus=True)
     lora = next(n for n in graph.nodes.values() if n.label == "build int8-lora (lora)")
     assert lora.kind == "train" and lora.shape == Shape(1.0, 2.0, 3 * GIB, "H100")
     assert graph.nodes["quality:base"].shape == Shape(2.0, 1.0, int(1.5 * GIB))
@@ -102,7 +102,7 @@ def _ref(node: Node) -> ArtifactRef:
 
 
 def test_committed_nodes_are_skipped_with_what_only_they_needed(tmp_path: Path) -> None:
-    recipe, graph = _graph(tmp_path, measure=False)
+    _recipe, graph = _graph(tmp_path, measure=False)
     todo, done = plan_work(graph, lambda node: None)
     assert [n.key for n in todo] == list(graph.nodes) and done == {}
     # twice committed: its first step's mirror is not needed; int8 committed: the int8-kv8
