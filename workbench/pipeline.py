@@ -19,7 +19,7 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from compress import STEPS, Artifact
 from compress.artifact import count_parameters, remove_stale_tmp, verify_files
@@ -209,9 +209,8 @@ class Pipeline:
             assert manifest is not None and manifest.hash == ref.hash, f"{ref.path}: committed"
             variant = next(v for v in self.recipe.variants if v.name == name)
             because = "; ".join(self._chain_problems(graph, key)) or None
-            status = (
-                "built" if ref.status == "built" and self._fresh(graph.nodes[key]) else "reused"
-            )
+            fresh = ref.status == "built" and self._fresh(graph.nodes[key])
+            status: Literal["built", "reused"] = "built" if fresh else "reused"
             out.append(
                 VariantResult(name, Path(ref.path), status, manifest, because, variant.serve)
             )

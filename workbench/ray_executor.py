@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.executor import Events, ExecutorError, TaskEvent, TaskFailed, Tasks
+from workbench.executor import Events, ExecutorError, TaskEvent, TaskFailed, Tasks, TaskState
 from workbench.recipe import Recipe
 from workbench.resources import LOAD_SLOT, Shape
 from workbench.storage import StorageError, check_writable
@@ -169,7 +169,7 @@ class RayExecutor:
             refs[node.key] = remote.options(**options).remote(tasks, node, str(status), *inputs)
             events(TaskEvent(node, "queued"))
         by_ref = {ref: node for node, ref in zip(todo, refs.values())}
-        results, seen = dict(done), {}
+        results, seen = dict(done), dict[str, tuple[int, str | None]]()
         pending = list(by_ref)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=self.poll_s)
@@ -273,5 +273,5 @@ def _announce(
         attempt = int(record["attempt"])
         if seen.get(node.key, (0, None))[0] < attempt:
             seen[node.key] = (attempt, record["where"])
-            state = "running" if attempt == 1 else "retried"
+            state: TaskState = "running" if attempt == 1 else "retried"
             events(TaskEvent(node, state, record["where"], attempt))
