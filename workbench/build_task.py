@@ -50,13 +50,19 @@ def manifest_digest(path: Path) -> str:
     return hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()
 
 
-def reusable(path: Path, expected: str, problems: list[str]) -> Manifest | None:
+def reusable(
+    path: Path,
+    expected: str,
+    problems: list[str],
+    verify: Callable[[Path, object], str | None] = verify_files,
+) -> Manifest | None:
     """The manifest of the artifact at `path` when it has the expected hash and its files are
-    intact; when the hash is right but the files are not, the reason is appended to `problems`."""
+    intact (`verify`); when the hash is right but the files are not, the reason is appended to
+    `problems`."""
     manifest = Manifest.read(path)
     if manifest is None or manifest.hash != expected:
         return None
-    problem = verify_files(path, manifest.files)
+    problem = verify(path, manifest.files)
     if problem is not None:
         problems.append(f"{path}: {problem}")
         return None

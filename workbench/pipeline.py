@@ -27,7 +27,7 @@ from compress.manifest import Manifest
 from compress.registry import StepError
 from evals.variant import VariantResult
 from workbench.base_model import BaseRef, base_artifact, base_fingerprint
-from workbench.build_task import Evaluate, manifest_digest
+from workbench.build_task import Evaluate, manifest_digest, reusable
 from workbench.distributed import barrier, is_main
 from workbench.executor import Events, Executor, LocalExecutor, Tasks
 from workbench.lease import driver_lease
@@ -77,6 +77,8 @@ class Pipeline:
         self.evaluate = evaluate
         self.recipe_dir = recipe_dir or Path.cwd()
         self._locked = False
+        self._problems: dict[str, str] = {}
+        """Why a node's artifact with the right hash was not reused (its files changed)."""
 
     def check(
         self,
@@ -184,7 +186,7 @@ class Pipeline:
         (the report node excepted: the caller writes it from these). Under the lock."""
         assert self._locked, "execute holds the work dir: call it inside `locked()`"
         barrier()  # every process decides on the same files
-        self._problems: dict[str, str] = {}
+        self._problems = {}
         todo, done = plan_work(graph, self._committed)
         todo = [n for n in todo if n.kind != "report"]
         return executor.run(todo, done, tasks, events)
@@ -211,9 +213,8 @@ class Pipeline:
             because = "; ".join(self._chain_problems(graph, key)) or None
             fresh = ref.status == "built" and self._fresh(graph.nodes[key])
             status: Literal["built", "reused"] = "built" if fresh else "reused"
-            out.append(
-                VariantResult(name, Path(ref.path), status, manifest, because, variant.serve)
-            )
+            path = self.work_dir / str(graph.nodes[key].out)  # as the caller named the work dir
+            out.append(VariantResult(name, path, status, manifest, because, variant.serve))
         return out
 
     def _fresh(self, node: Node) -> bool:
@@ -225,7 +226,7 @@ class Pipeline:
         """Why the artifacts on the way to `key` were rebuilt, first step first."""
         problems, node = [], graph.nodes[key]
         while True:
-            if node.key in getattr(self, "_problems", {}):
+            if node.key in self._problems:
                 problems.append(self._problems[node.key])
             if not node.deps:
                 return problems[::-1]
@@ -265,13 +266,5 @@ def parameter_count(kind: str, path: Path) -> int:
 
 
 def _reusable(path: Path, expected: str, problems: list[str]) -> Manifest | None:
-    """The manifest of the artifact at `path` when it has the expected hash and its files are
-    intact; when the hash is right but the files are not, the reason is appended to `problems`."""
-    manifest = Manifest.read(path)
-    if manifest is None or manifest.hash != expected:
-        return None
-    problem = verify_files(path, manifest.files)
-    if problem is not None:
-        problems.append(f"{path}: {problem}")
-        return None
-    return manifest
+    """`build_task.reusable`, files checked through this module's `verify_files`."""
+    return reusable(path, expected, problems, verify_files)
