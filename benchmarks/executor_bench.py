@@ -85,6 +85,7 @@ def measure(recipe_text: str, rounds: int, root: Path) -> list[tuple[float, floa
     from workbench.executor import LocalExecutor
     from workbench.ray_executor import RayExecutor
 
+    root.mkdir(parents=True, exist_ok=True)
     recipe = root / "recipe.yaml"
     recipe.write_text(recipe_text)
     found = []
