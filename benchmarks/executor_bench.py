@@ -11,8 +11,10 @@ their min and max:
 - `independent`: `--variants` LoRA variants with nothing in common, one CPU each: what running
   them side by side gains on the machine's cores; target <= 0.65x on 2 cores.
 
-Ray starts once, before the first round (its start-up is printed apart, not in the ratios);
-its workers then stay up across rounds, as on a cluster. Usage statistics are off.
+Ray starts once, before the first round, and one untimed warm-up run of the toy recipe under it
+starts its worker processes (each imports torch and transformers once); start-up and warm-up
+are printed apart, not in the ratios. The workers then stay up across rounds, as on a cluster.
+Usage statistics are off.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ evals:
 """
 
 
-def independent_recipe(variants: int, steps: int = 60) -> str:
+def independent_recipe(variants: int, steps: int = 400) -> str:
     """`variants` LoRA variants that share no step (each its own rank), one CPU each."""
     lines = ["name: independent", "base: demo-tiny", "device: cpu", "variants:"]
     for i in range(variants):
@@ -111,6 +113,13 @@ def main() -> None:
     print(f"ray start-up {time.perf_counter() - started:.1f} s, {cpus:g} CPUs", flush=True)
     toy = args.recipe.read_text() if args.recipe else TOY
     with tempfile.TemporaryDirectory(prefix="executor-bench-") as tmp:
+        warm = Path(tmp) / "warm-up"
+        warm.mkdir()
+        (warm / "recipe.yaml").write_text(toy)
+        from workbench.ray_executor import RayExecutor
+
+        warm_s = _timed(warm / "recipe.yaml", warm, "ray", RayExecutor())
+        print(f"warm-up (ray, workers started): {warm_s:.1f} s", flush=True)
         print("toy (overhead):", flush=True)
         overhead = ratio(measure(toy, args.rounds, Path(tmp) / "toy"))
         print("independent variants (side by side):", flush=True)
