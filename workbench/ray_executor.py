@@ -107,9 +107,7 @@ def check_shared(work_dir: Path) -> None:
         for n in nodes
     ]
     try:
-        seen = ray.get(refs, timeout=120)
-    except Exception as e:  # an OSError on a node arrives wrapped in Ray's task error
-        seen = [f"error: {str(e).splitlines()[-1]}"] * len(nodes)
+        seen = [_probed(ref, token) for ref in refs]
     finally:
         for p in work_dir.glob(f".probe-{token}*"):
             p.unlink(missing_ok=True)
@@ -120,6 +118,19 @@ def check_shared(work_dir: Path) -> None:
             f"write what this driver wrote there; pass a dir every node mounts at the same "
             f"path (NFS, Lustre, a cloud bucket mounted with s3fs/gcsfuse)"
         )
+
+
+def _probed(ref: Any, token: str) -> str:
+    """What one node's probe read; `token` for a node that left the cluster since it was listed
+    (the GCS lists a lost node as alive until its health checks time out)."""
+    import ray
+
+    try:
+        return str(ray.get(ref, timeout=120))
+    except ray.exceptions.TaskUnschedulableError:
+        return token
+    except Exception as e:  # an OSError on the node arrives wrapped in Ray's task error
+        return f"error: {str(e).strip().splitlines()[-1]}"
 
 
 @dataclass
