@@ -59,7 +59,13 @@ quant-methods-more: $(GEMMA_STAMP)  ## torchao int4, int8 KV, GPTQ damping, int8
 demo-toy: $(STAMP)  ## the project's own 1.3M-parameter model (built on first use): recipes/demo-toy.yaml
 	$(BIN)/workbench run recipes/demo-toy.yaml
 
-test: $(STAMP) browser  ## the default test suite (CPU, minutes)
+# The Ray executor's tests run in CI: `make test` installs the `ray` extra (torch stays pinned).
+RAY_STAMP := $(VENV)/.ray
+$(RAY_STAMP): $(STAMP)
+	$(call INSTALL,-e '.[ray]')
+	touch $@
+
+test: $(STAMP) $(RAY_STAMP) browser  ## the default test suite (CPU, minutes)
 	$(BIN)/pytest
 
 test-fast: $(STAMP)  ## the edit-test loop: the default suite without the e2e tests

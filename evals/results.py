@@ -220,6 +220,9 @@ class LoadResult(Record):
     measured_on: Omitted[str] = None
     """The variant whose ramp this is, when it is not this one's: a serving twin (same shapes,
     formats and serve settings: `evals.serving_twins`)."""
+    gpu: Omitted[str] = None
+    """The GPU the server ran on, when it had one (`measured` names the machine); set by
+    `workbench run` for the ramps it measures."""
 
     def every_point(self) -> list[Point]:
         """The ramp's points, then the open-loop ones, then the SLO searches'."""

@@ -18,8 +18,11 @@ from compress.gguf_kquants import K_QUANTS
 from evals.load_cli import add_bench_arguments
 from serve.http.cli import add_serve_arguments, int_in
 from serve.model.host_memory import keep_freed_memory
+from workbench.executor import Executor, ExecutorError, LocalExecutor
+from workbench.lease import LeaseError
 from workbench.pipeline import Pipeline, PipelineError, VariantResult
 from workbench.recipe import RecipeError, load_recipe
+from workbench.storage import StorageError, storage_path
 
 # markup off: paths, names and messages are printed as they are ("runs/[/]x" is a path)
 console = Console(stderr=True, markup=False)
@@ -87,15 +90,20 @@ def cmd_run(args: argparse.Namespace) -> int:
                 Text.assemble("    ", ("rebuilt, not reused:", "yellow"), f" {r.rebuilt_because}")
             )
 
-    result = run(
-        args.recipe,
-        args.work_dir,
-        variants=args.variant,
-        force=args.force,
-        keep_checkpoints=args.keep_checkpoints,
-        on_variant=show,
-        progress=lambda line: console.print(f"  {line}"),
-    )
+    try:
+        result = run(
+            args.recipe,
+            _work_dir(args),
+            variants=args.variant,
+            force=args.force,
+            keep_checkpoints=args.keep_checkpoints,
+            on_variant=show,
+            progress=lambda line: console.print(f"  {line}"),
+            executor=_executor(args),
+        )
+    except (ExecutorError, LeaseError, StorageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if result.report is None:  # a non-main process of a distributed run
         return 0
     out.print(_variants_table(result.variants))
@@ -111,6 +119,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     for problem in result.report.get("problems", []):
         console.print(Text.assemble(("problem: ", "bold red"), problem))
     return 1 if result.report.get("problems") else 0
+
+
+def _work_dir(args: argparse.Namespace) -> Path | None:
+    """--storage (the dir every node mounts) or --work-dir; StorageError for both or a URL."""
+    if args.storage and args.work_dir:
+        raise StorageError("--storage and --work-dir name the same dir: pass one of them")
+    return storage_path(args.storage) if args.storage else args.work_dir
+
+
+def _executor(args: argparse.Namespace) -> Executor:
+    if args.executor == "local":
+        if args.address:
+            raise ExecutorError("--address joins a Ray cluster: add --executor ray")
+        return LocalExecutor()
+    from workbench.ray_executor import RayExecutor
+
+    return RayExecutor(address=args.address, max_retries=args.max_retries)
 
 
 def _report_table(report: dict) -> Table:
@@ -237,6 +262,31 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="training checkpoints kept per step while it trains (default 1: the newest, which "
         "an interrupted step resumes from; at least 1)",
+    )
+    p.add_argument(
+        "--executor",
+        choices=["local", "ray"],
+        default="local",
+        help="local: every task in this process, one after another (default); ray: each task "
+        "a Ray task on a cluster (docs/cluster.md)",
+    )
+    p.add_argument(
+        "--address",
+        help="the Ray cluster to join: host:port of its head, or auto (default: RAY_ADDRESS, "
+        "else a Ray instance on this machine)",
+    )
+    p.add_argument(
+        "--storage",
+        metavar="DIR",
+        help="the work dir every node mounts at this path (default: the recipe's storage:, "
+        "else runs/<recipe name>)",
+    )
+    p.add_argument(
+        "--max-retries",
+        type=int_in(0),
+        default=3,
+        metavar="N",
+        help="with --executor ray: attempts after the first when a task's worker or node dies",
     )
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("demo-model", help="build (first use) and describe the offline demo model")

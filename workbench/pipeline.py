@@ -1,81 +1,53 @@
-"""Run a recipe: for each variant, apply its steps in order and keep every artifact on disk.
+"""Run a recipe: plan its task graph, and run the nodes not already committed with an executor.
 
-Model: a step's output is named by a hash chain, `h_i = sha(h_{i-1}, step name, params, seed)`,
-starting from the base's fingerprint. A variant's final artifact lives in `variants/<name>/`; the
-outputs of earlier steps live in `artifacts/<h_i>/`, shared by variants with a common prefix.
+Model: a step's output is named by a hash chain (`workbench.task_graph`), starting from the
+base's fingerprint; each hash is built once per run, into `variants/<name>/` when it is that
+variant's final artifact, else into `artifacts/<hash>/`, shared by variants with a common prefix.
 An artifact whose manifest records the expected hash, and whose files still have the content
 hashes the manifest records, is reused; any other (changed, truncated, missing files) is
 rebuilt, and the result says why. Variants with the same steps (say, one served with an int8 KV
 cache beside the plain one: they differ only in `serve:`) build once: the later one mirrors the
-other's final artifact (hard links) under its own name. Every
-artifact is written to a temporary dir and renamed into place when complete, under a lock on the
-work dir, so an interrupted run leaves only temporary dirs, which the next run deletes.
+other's final artifact (hard links) under its own name. Every artifact is committed whole
+(`workbench.build_task`), and one driver holds the work dir (`workbench.lease`), so an
+interrupted run leaves only temporary dirs, which the next run deletes, and a rerun resumes by
+skipping every committed hash.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime
-import hashlib
 import json
-import shutil
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from catalog.data import NAMED
-from compress import STEPS, Artifact, StepContext, StepParams
-from compress.artifact import (
-    artifact_from_manifest,
-    atomic_dir,
-    count_parameters,
-    dir_bytes,
-    file_hashes,
-    link_or_copy_tree,
-    remove_stale_tmp,
-    verify_files,
-)
-from compress.locking import file_lock
-from compress.manifest import (
-    ArtifactEval,
-    BaseRecord,
-    Manifest,
-    ParentRef,
-    RecipeRef,
-    StepRecord,
-)
+from compress import STEPS, Artifact
+from compress.artifact import count_parameters, remove_stale_tmp, verify_files
+from compress.manifest import Manifest
 from compress.registry import StepError
 from evals.variant import VariantResult
 from workbench.base_model import BaseRef, base_artifact, base_fingerprint
-from workbench.distributed import barrier, is_main, scratch_dir
-from workbench.measure import PeakMemory, package_versions
+from workbench.build_task import Evaluate, manifest_digest, reusable
+from workbench.distributed import barrier, is_main
+from workbench.executor import Events, Executor, LocalExecutor, Tasks
+from workbench.lease import driver_lease
 from workbench.recipe import Recipe, Variant
+from workbench.run_tasks import RunSpec, RunTasks
+from workbench.task_graph import ArtifactRef, GraphSettings, Node, TaskGraph, plan, plan_work, sha
 
+__all__ = ["Evaluate", "Pipeline", "PipelineError", "VariantResult", "recipe_hash"]
 
-@dataclass(frozen=True)
-class _StepCall:
-    name: str
-    params: StepParams
-    hash: str
-
-
-def _sha(*parts: str) -> str:
-    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:16]
+EXECUTION_FIELDS: dict[str, Any] = {
+    "resources": True,
+    "storage": True,
+    "variants": {"__all__": {"resources"}},
+}
+"""Where and on what a recipe runs: no part of what it makes, so no part of its hash."""
 
 
 def recipe_hash(recipe: Recipe) -> str:
-    return _sha(json.dumps(recipe.model_dump(mode="json"), sort_keys=True))
-
-
-def _chain(variant: Variant, base_hash: str, seed: int) -> list[_StepCall]:
-    calls, parent = [], base_hash
-    for name, params in variant.step_calls():
-        parent = _sha(parent, name, params.model_dump_json(), str(seed))
-        calls.append(_StepCall(name, params, parent))
-    return calls
+    dumped = recipe.model_dump(mode="json", exclude=EXECUTION_FIELDS)
+    return sha(json.dumps(dumped, sort_keys=True))
 
 
 class PipelineError(Exception):
@@ -84,10 +56,6 @@ class PipelineError(Exception):
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
         super().__init__("\n".join(problems))
-
-
-Evaluate = Callable[[Artifact], ArtifactEval]
-"""Measures a finished variant (memory, load time, perplexities) for its manifest."""
 
 
 class Pipeline:
@@ -101,15 +69,16 @@ class Pipeline:
         force: bool = False,
         evaluate: Evaluate | None = None,
         keep_checkpoints: int = 1,
+        recipe_dir: Path | None = None,
     ) -> None:
         self.recipe, self.base, self.work_dir, self.force = recipe, base, work_dir, force
         self.keep_checkpoints = keep_checkpoints
         self.recipe_hash = recipe_hash(recipe)
         self.evaluate = evaluate
+        self.recipe_dir = recipe_dir or Path.cwd()
         self._locked = False
-        self._intact: dict[Path, str] = {}
-        """Final artifacts this run wrote or verified, with their hashes: under the work dir's
-        lock nothing else changes them, so a twin among them is mirrored without a re-read."""
+        self._problems: dict[str, str] = {}
+        """Why a node's artifact with the right hash was not reused (its files changed)."""
 
     def check(
         self,
@@ -151,14 +120,15 @@ class Pipeline:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the work dir's lock (on the main process), leftovers of killed builds removed:
-        `run` takes it, and a caller that also measures what was built holds it across both, so
-        no concurrent run can swap a variant under a measurement. Re-entrant per pipeline."""
+        """Hold the work dir as its one driver (on the main process: `workbench.lease`),
+        leftovers of killed builds removed: `run` takes it, and a caller that also measures what
+        was built holds it across both, so no other run can swap a variant under a measurement.
+        Re-entrant per pipeline."""
         if self._locked:
             yield
             return
-        lock = file_lock(self.work_dir / ".lock") if is_main() else contextlib.nullcontext()
-        with lock:
+        lease = driver_lease(self.work_dir) if is_main() else contextlib.nullcontext()
+        with lease:
             self._locked = True
             try:
                 if is_main():
@@ -174,137 +144,93 @@ class Pipeline:
         only: list[str] | None = None,
         on_result: Callable[[VariantResult], None] | None = None,
     ) -> list[VariantResult]:
+        """Build (or reuse) the variants named in `only` (default all), in this process."""
+        variants = self.variants(only)
+        with self.locked():
+            graph = self.graph(variants, measure=False)
+            results = self.execute(graph, LocalExecutor(), self.tasks(), lambda _: None)
+        found = self.variant_results(graph, results)
+        for r in found if on_result and is_main() else []:
+            on_result(r)  # type: ignore[misc]  # on_result is set: checked on the line above
+        return found
+
+    def variants(self, only: list[str] | None) -> list[Variant]:
+        """The variants to run, checked (`check`) before anything is built."""
         variants = [v for v in self.recipe.variants if only is None or v.name in only]
         base = base_artifact(self.base)
         self.check(variants, module_names(base.path), position_limit(base.path))
-        results = []
-        with self.locked():
-            base_hash = base_fingerprint(self.base)
-            for variant in variants:
-                results.append(self._run_variant(variant, base, base_hash))
-                if on_result and is_main():
-                    on_result(results[-1])
-        return results
+        return variants
 
-    def _run_variant(self, variant: Variant, base: Artifact, base_hash: str) -> VariantResult:
-        calls = _chain(variant, base_hash, self.recipe.seed)
-        final = self.work_dir / "variants" / variant.name
+    def graph(self, variants: list[Variant], measure: bool, gpus: bool = False) -> TaskGraph:
+        base = base_artifact(self.base)
+        settings = GraphSettings(4 * count_parameters(base.path), gpus, measure)
+        return plan(self.recipe, variants, base_fingerprint(self.base), settings)
+
+    def tasks(self) -> RunTasks:
+        """What runs each node: this pipeline's settings (its own `evaluate` in this process)."""
+        spec = RunSpec(
+            recipe=self.recipe.model_dump_json(),
+            recipe_dir=str(self.recipe_dir),
+            work_dir=str(self.work_dir.absolute()),
+            recipe_hash=self.recipe_hash,
+            force=self.force,
+            keep_checkpoints=self.keep_checkpoints,
+            evaluate=self.evaluate is not None,
+        )
+        return RunTasks(spec, self.evaluate)
+
+    def execute(
+        self, graph: TaskGraph, executor: Executor, tasks: Tasks, events: Events
+    ) -> dict[str, Any]:
+        """Every node's result by key: the committed artifacts found, then what `executor` ran
+        (the report node excepted: the caller writes it from these). Under the lock."""
+        assert self._locked, "execute holds the work dir: call it inside `locked()`"
         barrier()  # every process decides on the same files
-        problems: list[str] = []
-        if not self.force and (reused := _reusable(final, calls[-1].hash, problems)):
-            self._intact[final] = calls[-1].hash
-            return VariantResult(variant.name, final, "reused", reused, serve=variant.serve)
-        if not self.force and (twin := self._twin(variant.name, calls[-1].hash)):
-            if is_main():  # the others read what it wrote, as after a build
-                _mirror(twin, final, variant.name)
-            barrier()
-            mirrored = Manifest.read(final)
-            assert mirrored is not None, f"{final}: mirrored by this run"
-            self._intact[final] = calls[-1].hash
-            return VariantResult(variant.name, final, "reused", mirrored, serve=variant.serve)
-        artifact, parent = base, ParentRef(path=str(base.path), hash=base_hash)
-        for i, call in enumerate(calls):
-            out = final if i == len(calls) - 1 else self.work_dir / "artifacts" / call.hash
-            if out != final and not self.force and _reusable(out, call.hash, problems):
-                artifact = artifact_from_manifest(out)
-            else:
-                artifact = self._apply(variant, calls[: i + 1], artifact, parent, out)
-            parent = ParentRef(path=str(out), hash=call.hash)
-        manifest = Manifest.read(final)
-        assert manifest is not None, f"{final}: written by this run"
-        self._intact[final] = calls[-1].hash
-        because = "; ".join(problems) or None
-        return VariantResult(variant.name, final, "built", manifest, because, variant.serve)
+        self._problems = {}
+        todo, done = plan_work(graph, self._committed)
+        todo = [n for n in todo if n.kind != "report"]
+        return executor.run(todo, done, tasks, events)
 
-    def _twin(self, name: str, expected: str) -> Path | None:
-        """Another variant's intact final artifact with the hash `expected`, if one is built
-        (one this run wrote or verified first: its files are not read again)."""
-        for other, hash_ in self._intact.items():
-            if hash_ == expected and other.name != name:
-                return other
-        for other in sorted((self.work_dir / "variants").glob("*")):
-            skip = other.name == name or other.name.startswith(".")  # itself, or unfinished
-            if not skip and _reusable(other, expected, []) is not None:
-                return other
-        return None
+    def _committed(self, node: Node) -> ArtifactRef | None:
+        """The node's artifact when it is committed and intact (never with `force`)."""
+        assert node.out is not None
+        expected = node.deps[0] if node.kind == "mirror" else node.key
+        path, problems = self.work_dir / node.out, list[str]()
+        if self.force or _reusable(path, expected, problems) is None:
+            if problems:
+                self._problems[node.key] = problems[0]
+            return None
+        return ArtifactRef(expected, str(path), manifest_digest(path), "reused")
 
-    def _apply(
-        self,
-        variant: Variant,
-        calls: list[_StepCall],
-        artifact: Artifact,
-        parent: ParentRef,
-        out: Path,
-    ) -> Artifact:
-        call = calls[-1]
-        step = STEPS[call.name](call.params)
-        checkpoints = self.work_dir / "checkpoints" / call.hash
-        ctx = StepContext(
-            Path(),
-            self.recipe.seed,
-            _device(self.recipe.device),
-            checkpoints,
-            self.keep_checkpoints,
-            NAMED,
-        )
-        if not is_main():  # every process trains; only the main one writes the artifact
-            with scratch_dir() as tmp:
-                made = step.apply(artifact, dataclasses.replace(ctx, out_dir=tmp))
-            barrier()
-            return dataclasses.replace(made, path=out)
-        with atomic_dir(out) as tmp:
-            started = time.perf_counter()
-            with PeakMemory() as peak:
-                made = step.apply(artifact, dataclasses.replace(ctx, out_dir=tmp))
-            wall_seconds = round(time.perf_counter() - started, 3)
-            made = dataclasses.replace(made, path=tmp)
-            self._manifest(variant, calls, made, parent, wall_seconds, peak).write(tmp)
-        shutil.rmtree(checkpoints, ignore_errors=True)
-        barrier()
-        return dataclasses.replace(made, path=out)
+    def variant_results(self, graph: TaskGraph, results: dict[str, Any]) -> list[VariantResult]:
+        """The run's variants, in recipe order, as the evals and the report take them."""
+        out = []
+        for name, key in graph.finals.items():
+            ref: ArtifactRef = results[key]
+            manifest = Manifest.read(Path(ref.path))
+            assert manifest is not None and manifest.hash == ref.hash, f"{ref.path}: committed"
+            variant = next(v for v in self.recipe.variants if v.name == name)
+            because = "; ".join(self._chain_problems(graph, key)) or None
+            fresh = ref.status == "built" and self._fresh(graph.nodes[key])
+            status: Literal["built", "reused"] = "built" if fresh else "reused"
+            path = self.work_dir / str(graph.nodes[key].out)  # as the caller named the work dir
+            out.append(VariantResult(name, path, status, manifest, because, variant.serve))
+        return out
 
-    def _manifest(
-        self,
-        variant: Variant,
-        calls: list[_StepCall],
-        made: Artifact,
-        parent: ParentRef,
-        wall_seconds: float,
-        peak: PeakMemory,
-    ) -> Manifest:
-        """What the finished artifact (still in its temporary dir `made.path`) records."""
-        return Manifest(
-            variant=variant.name,
-            kind=made.kind,
-            quantization=made.quantization,
-            hash=calls[-1].hash,
-            recipe=RecipeRef(name=self.recipe.name, hash=self.recipe_hash),
-            base=BaseRecord(kind=self.base.kind, name=self.base.name),
-            steps=[
-                StepRecord(name=c.name, params=c.params.model_dump(mode="json"), hash=c.hash)
-                for c in calls
-            ],
-            parent=parent,
-            parameters=parameter_count(made.kind, made.path),
-            stored_tensor_elements=count_parameters(made.path),
-            bytes_on_disk=dir_bytes(made.path),
-            wall_seconds=wall_seconds,
-            peak_memory_bytes=peak.bytes,
-            peak_cuda_memory_bytes=peak.cuda_bytes,
-            packages=package_versions(),
-            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            info=made.info,
-            files=file_hashes(made.path),
-            eval=self.evaluate(made) if self.evaluate else None,
-        )
+    def _fresh(self, node: Node) -> bool:
+        """A built node's artifact counts as built for its variant unless it mirrors another's
+        (with `force` nothing is reused: a mirror of this run's build is built too)."""
+        return node.kind != "mirror" or self.force
 
-
-def _device(name: str) -> str:
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    def _chain_problems(self, graph: TaskGraph, key: str) -> list[str]:
+        """Why the artifacts on the way to `key` were rebuilt, first step first."""
+        problems, node = [], graph.nodes[key]
+        while True:
+            if node.key in self._problems:
+                problems.append(self._problems[node.key])
+            if not node.deps:
+                return problems[::-1]
+            node = graph.nodes[node.deps[0]]
 
 
 def _meta_model(model_dir: Path) -> Any:
@@ -339,24 +265,6 @@ def parameter_count(kind: str, path: Path) -> int:
     return sum(p.numel() for p in _meta_model(path).parameters())
 
 
-def _mirror(twin: Path, final: Path, name: str) -> None:
-    """`twin`'s artifact mirrored into `final` (hard links where possible), its manifest naming
-    the variant `name`; everything else it records (how and when it was built) is the twin's."""
-    found = Manifest.read(twin)
-    assert found is not None, f"{twin}: checked by _twin"
-    with atomic_dir(final) as tmp:
-        link_or_copy_tree(twin, tmp)
-        found.model_copy(update={"variant": name}).write(tmp)
-
-
 def _reusable(path: Path, expected: str, problems: list[str]) -> Manifest | None:
-    """The manifest of the artifact at `path` when it has the expected hash and its files are
-    intact; when the hash is right but the files are not, the reason is appended to `problems`."""
-    manifest = Manifest.read(path)
-    if manifest is None or manifest.hash != expected:
-        return None
-    problem = verify_files(path, manifest.files)
-    if problem is not None:
-        problems.append(f"{path}: {problem}")
-        return None
-    return manifest
+    """`build_task.reusable`, files checked through this module's `verify_files`."""
+    return reusable(path, expected, problems, verify_files)

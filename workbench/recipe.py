@@ -30,6 +30,7 @@ from compress import STEPS, StepParams
 from evals.settings import Evals, ServeSettings, Slug
 from workbench.base_model import BaseRef, resolve_base
 from workbench.recipe_errors import RecipeError, format_validation_error
+from workbench.resources import EvalResources, Resources
 
 
 class _Strict(BaseModel):
@@ -76,6 +77,9 @@ class Variant(_Strict):
     serve: ServeSettings = ServeSettings()
     """How the variant is served and measured beyond its weights (e.g. `{kv_cache_dtype: int8}`);
     a variant with the same steps as another builds nothing new."""
+    resources: Resources = Resources()
+    """What each of its build steps asks of a cluster (`workbench run --executor ray`); derived
+    from the base's size and the step's kind where left out. Changes no hash."""
 
     def step_calls(self) -> list[tuple[str, StepParams]]:
         """(step name, params) in order; `steps: []` is the identity step."""
@@ -98,6 +102,11 @@ class Recipe(_Strict):
     variants: list[Variant] = Field(min_length=1)
     evals: Evals = Evals()
     report: ReportSettings = ReportSettings()
+    resources: EvalResources = EvalResources()
+    """What each kind of measurement asks of a cluster; derived where left out."""
+    storage: str | None = None
+    """The work dir every node of a cluster mounts (`--storage` overrides it; default
+    `runs/<name>`): a path, relative to where `workbench run` starts."""
 
     @field_validator("base")
     @classmethod

@@ -1,0 +1,106 @@
+"""One driver per work dir: a lease file with a heartbeat, held while a run builds and measures.
+
+Model: the driver (the process that plans the run and hands tasks to an executor) holds
+`<work dir>/.lock` (flock: a second driver on a machine that shares the lock waits for the first,
+and the lock goes with a killed driver) and writes `<work dir>/run-lease.json` (host, pid, run id,
+heartbeat) every `HEARTBEAT_S`. A driver on another machine, where flock may not reach, refuses a
+lease whose heartbeat is fresh and takes over one that is stale (a driver that died: its tasks
+died with it). Tasks never take the lease: they are idempotent (an artifact is committed whole or
+not at all), so a rerun of the driver resumes by skipping every committed hash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from compress.locking import file_lock
+
+LEASE = "run-lease.json"
+HEARTBEAT_S = 5.0
+STALE_AFTER_S = 30.0
+"""A lease whose heartbeat is older than this belongs to a driver that is gone."""
+
+
+class LeaseError(RuntimeError):
+    """Another driver is running the work dir."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    run_id: str
+    host: str
+    pid: int
+    heartbeat: float
+    """time.time() of the latest beat."""
+
+    def alive(self, now: float) -> bool:
+        if self.host == socket.gethostname():
+            return _pid_alive(self.pid)
+        return now - self.heartbeat < STALE_AFTER_S
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_lease(work_dir: Path) -> Lease | None:
+    try:
+        return Lease(**json.loads((work_dir / LEASE).read_text()))
+    except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        return None
+
+
+def _write(work_dir: Path, lease: Lease) -> None:
+    tmp = work_dir / f".{LEASE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(asdict(lease)))
+    tmp.replace(work_dir / LEASE)
+
+
+@contextlib.contextmanager
+def driver_lease(work_dir: Path) -> Iterator[Lease]:
+    """Hold the work dir for this process's run; LeaseError when another live driver has it."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with file_lock(work_dir / ".lock"):
+        held = read_lease(work_dir)
+        if held is not None and held.pid != os.getpid() and held.alive(time.time()):
+            raise LeaseError(
+                f"{work_dir}: run {held.run_id} of the driver {held.host}:{held.pid} holds this "
+                f"work dir (heartbeat {time.time() - held.heartbeat:.0f} s ago); wait for it to "
+                f"finish or stop it (a dead driver's lease lapses after {STALE_AFTER_S:.0f} s)"
+            )
+        lease = Lease(uuid.uuid4().hex[:12], socket.gethostname(), os.getpid(), time.time())
+        _write(work_dir, lease)
+        stop = threading.Event()
+        beat = threading.Thread(target=_beat, args=(work_dir, lease, stop), daemon=True)
+        beat.start()
+        try:
+            yield lease
+        finally:
+            stop.set()
+            beat.join()
+            with contextlib.suppress(FileNotFoundError):
+                (work_dir / LEASE).unlink()
+
+
+def _beat(work_dir: Path, lease: Lease, stop: threading.Event) -> None:
+    while not stop.wait(HEARTBEAT_S):
+        current = read_lease(work_dir)
+        if current is not None and current.run_id != lease.run_id:
+            return  # taken over (this driver was thought dead): the other run owns it now
+        with contextlib.suppress(OSError):
+            _write(work_dir, Lease(lease.run_id, lease.host, lease.pid, time.time()))
