@@ -17,7 +17,8 @@ GEMMA_STAMP := $(VENV)/.gemma
 # The test suites let idle OpenMP threads sleep at once (PASSIVE; tests/conftest.py sets it too),
 # so concurrent test processes do not take each other's cores. The demo and the other recipes keep
 # OpenMP's default: a lone server's every parallel region would wait for its workers to wake
-# (the demo's base ramp: 75-97 s PASSIVE, 49 s default; docs/measured.md, "One OpenMP pool per process").
+# (the demo's base ramp: 75-97 s PASSIVE, 49 s default;
+# docs/measured/cpu-runtime.md#2026-12-03-one-openmp-pool-per-process).
 test test-fast test-slow: export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: demo demo-toy quant-methods quant-methods-more gemma test test-fast test-slow lint format clean browser dashboard

@@ -34,8 +34,9 @@ class LibraryParams(StepParams):
     method: Literal["bnb-int8", "bnb-nf4", "bnb-fp4", "int8-wo", "int4-wo"]
     """bnb-int8: LLM.int8 (outlier columns in float); bnb-nf4 / bnb-fp4: 4-bit blocks;
     int8-wo: int8 weight-only (torchao); int4-wo: int4 weight-only in groups, bfloat16
-    activations, torchao's CPU tensor (the fast one on the CPU: docs/measured.md), stored in bfloat16
-    and quantized when loaded."""
+    activations, torchao's CPU tensor (the fast one on the CPU:
+    docs/measured/quantized-kernels.md#undated-serving-speed-of-quantized-variants), stored in
+    bfloat16 and quantized when loaded."""
     group_size: Literal[32, 64, 128, 256] = 32
     """int4-wo only: input features per scale / zero point."""
     double_quant: bool = False

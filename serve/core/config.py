@@ -98,7 +98,8 @@ class CacheConfig:
     block_size: Annotated[int, Range(1, 1024)] = 16
     """Tokens per KV block (vLLM's default too). Against 8 on a 2-core AVX2 CPU: decode steps
     of 64 sequences 8-10% faster (the decode kernel reads longer runs of keys), KV waste about 2%
-    against 1%, prefixes shared in steps of 16 tokens (docs/measured.md, "KV blocks of 16")."""
+    against 1%, prefixes shared in steps of 16 tokens
+    (docs/measured/kv-cache.md#2026-12-04-session-23-kv-blocks-of-16)."""
     kv_cache_bytes: Annotated[int | None, Size()] = None
     """KV memory budget in bytes, e.g. 512MiB; None: `kv_cache_memory_fraction` of free memory
     on CUDA, 256 MiB on the CPU."""

@@ -8,8 +8,8 @@ and training and scoring over a vocabulary free and allocate again blocks of 100
 step (SmolLM2's logits of 512 positions in float32, its embedding's gradient): without tuning
 each of them is new memory that the kernel zeroes and faults in page by page, which took about
 a quarter of a 25M Llama's prefill (396 -> 305 ms) and a sixth of a SmolLM2 distillation step
-(2.26 -> 1.90 s; `docs/measured.md`, "Host memory"). vLLM's CPU backend gets the same effect by
-preloading tcmalloc.
+(2.26 -> 1.90 s; `docs/measured/cpu-runtime.md#2026-12-05-host-memory`). vLLM's CPU backend gets the
+same effect by preloading tcmalloc.
 
 `keep_freed_memory` serves every block from the heap (no mmap at any size; the mmap threshold
 also at its glibc maximum, for a C library that mmaps anyway) and sets the trim threshold high,
