@@ -270,15 +270,20 @@ def test_structured_outputs_schema_string_of_100000_brackets_is_400(server: Thre
     refused(server, body, "structured_outputs.json", "deep")
 
 
-def test_a_body_nested_deeper_than_the_parser_takes_is_400_unparsed(server: ThreadServer) -> None:
-    schema = '{"type": "array", "items": ' * 5000 + '{"type": "string"}' + "}" * 5000
-    raw = '{"model": "test-model", "prompt": "a", "structured_outputs": {"json": ' + schema + "}}"
-    r = httpx.post(
+def post_raw(server: ThreadServer, raw: str) -> httpx.Response:
+    """POST a completions body as written (JSON the client library would not produce)."""
+    return httpx.post(
         f"{server.url}/v1/completions",
         content=raw.encode(),
         headers={"content-type": "application/json"},
         timeout=60,
     )
+
+
+def test_a_body_nested_deeper_than_the_parser_takes_is_400_unparsed(server: ThreadServer) -> None:
+    schema = '{"type": "array", "items": ' * 5000 + '{"type": "string"}' + "}" * 5000
+    raw = '{"model": "test-model", "prompt": "a", "structured_outputs": {"json": ' + schema + "}}"
+    r = post_raw(server, raw)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "body" and "5003 deep; at most 512" in error["message"], error
@@ -352,12 +357,7 @@ def test_a_5000_digit_number_is_400_saying_so(server: ThreadServer, field: str) 
     raw = '{"model": "test-model", "prompt": "a", "' + field + '": ' + value + "}"
     if field == "prompt":
         raw = '{"model": "test-model", "prompt": ' + value + "}"
-    r = httpx.post(
-        f"{server.url}/v1/completions",
-        content=raw.encode(),
-        headers={"content-type": "application/json"},
-        timeout=60,
-    )
+    r = post_raw(server, raw)
     assert r.status_code == 400, r.text
     assert "a number of 5000 digits; at most 4300" in r.json()["error"]["message"]
     text = {"model": "test-model", "prompt": "9" * 6000, "max_tokens": 2}  # digits in a string
