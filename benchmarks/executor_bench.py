@@ -14,7 +14,7 @@ their min and max:
 Ray starts once, before the first round, and one untimed warm-up run of the toy recipe under it
 starts its worker processes (each imports torch and transformers once); start-up and warm-up
 are printed apart, not in the ratios. The workers then stay up across rounds, as on a cluster.
-Usage statistics are off.
+Usage statistics are off; Ray listens on loopback only.
 """
 
 from __future__ import annotations
@@ -105,6 +105,9 @@ def main() -> None:
     parser.add_argument("--recipe", type=Path, help="the overhead workload (default: a toy one)")
     parser.add_argument("--variants", type=int, default=4)
     args = parser.parse_args()
+    from workbench.ray_executor import loopback_only
+
+    loopback_only()
     import ray
 
     started = time.perf_counter()

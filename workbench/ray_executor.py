@@ -7,8 +7,9 @@ it (`num_cpus`, `num_gpus`, `memory`, `accelerator_type`, and the node's one
 started again (`max_retries`; a task that raises is not: its error ends the run). A GPU task
 runs in a process of its own that exits afterwards (`max_calls=1`), so its GPU memory is freed
 before the next. Tasks return `ArtifactRef`s and small records; weights stay on the shared
-storage. Each attempt writes `<work dir>/.tasks/<run>/<node>.json` (attempt, machine) when it
-starts, which the driver reads for its progress lines. Usage statistics are off.
+storage. A task computes on as many threads as it holds CPUs. Each attempt writes
+`<work dir>/.tasks/<run>/<node>.json` (attempt, machine) when it starts, which the driver reads
+for its progress lines. Usage statistics are off.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,16 +33,28 @@ from workbench.task_graph import Node
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 STATUS_DIR = ".tasks"
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Set to 0 before Ray is imported, Ray binds and advertises 127.0.0.1 only (its single-machine
+mode): a Ray instance this run starts for itself listens on no network interface."""
+
+
+def loopback_only() -> None:
+    """Make the Ray instance this process will start listen on loopback only; a no-op once Ray
+    is imported (its constants are read then)."""
+    if "ray" not in sys.modules:
+        os.environ.setdefault(LOOPBACK_ENV, "0")
 
 
 def _connect(address: str | None) -> None:
     """Join the cluster at `address` (`auto`: the one this machine is part of; None: RAY_ADDRESS
     when `ray job submit` set it, else a Ray instance started for this run)."""
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
+    if address == "local":
+        loopback_only()
     import ray
 
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS") or "local"
     if address != "local" and not address.startswith("ray://"):
         _reachable(_bootstrap(address))
     try:
@@ -260,7 +274,17 @@ def _run_task(tasks: Tasks, node: Node, status: str, *inputs: Any) -> Any:
     tmp = file.with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(record))
     tmp.replace(file)
+    _use_cpus(node.shape.cpus)
     return tasks(node, dict(zip(node.deps, inputs)))
+
+
+def _use_cpus(cpus: float) -> None:
+    """Torch's intra-op threads set to the task's CPUs (at least one). Ray reuses a worker
+    process across tasks, and the thread count its first task's OMP_NUM_THREADS fixed would
+    otherwise oversubscribe the node when tasks of one CPU each run side by side."""
+    import torch
+
+    torch.set_num_threads(max(1, int(cpus)))
 
 
 def _where() -> str:

@@ -286,3 +286,37 @@ def test_progress_lines_name_state_and_task() -> None:
     assert describe(TaskEvent(node, "queued")) == "queued   build int8 (quantize) [1 CPU, 1.0 GiB]"
     retried = describe(TaskEvent(node, "retried", "vm [10.0.0.2]", 2))
     assert retried == "retried  build int8 (quantize) on vm [10.0.0.2] (attempt 2)"
+
+
+def _threads(node: Any, inputs: dict) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_a_task_computes_on_as_many_threads_as_it_holds_cpus(gate: Path, tmp_path: Path) -> None:
+    from workbench.ray_executor import _run_task
+    from workbench.resources import Shape
+    from workbench.task_graph import Node
+
+    task = ray.remote(_run_task)
+    found = {}
+    for cpus in (2.0, 1.0, 0.5, 2.0):  # a reused worker takes each task's count anew
+        node = Node(f"t{cpus}", "build", "threads", Shape(cpus, 0.0, 0))
+        found[cpus] = ray.get(task.options(num_cpus=cpus).remote(_threads, node, str(tmp_path)))
+    assert found == {2.0: 2, 1.0: 1, 0.5: 1}
+
+
+def test_the_cluster_listens_on_loopback_only(gate: Path) -> None:
+    import psutil
+
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+    listening = [
+        (p.name(), c.laddr.ip)
+        for p in psutil.Process().children(recursive=True)
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert any(name in ("gcs_server", "raylet") for name, _ in listening)
+    exposed = [(n, ip) for n, ip in listening if ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
+    assert exposed == []
