@@ -121,8 +121,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 1 if result.report.get("problems") else 0
 
 
-def _work_dir(args: argparse.Namespace) -> Path | None:
-    """--storage (the dir every node mounts) or --work-dir; StorageError for both or a URL."""
+def _work_dir(args: argparse.Namespace) -> Path | str | None:
+    """--storage (the dir every node mounts, or an fsspec URL) or --work-dir; StorageError for
+    both."""
     if args.storage and args.work_dir:
         raise StorageError("--storage and --work-dir name the same dir: pass one of them")
     return storage_path(args.storage) if args.storage else args.work_dir
@@ -277,9 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--storage",
-        metavar="DIR",
-        help="the work dir every node mounts at this path (default: the recipe's storage:, "
-        "else runs/<recipe name>)",
+        metavar="DIR|URL",
+        help="the work dir every node mounts at this path, or an fsspec URL (s3://, gs://, ...) "
+        "every node can write (default: the recipe's storage:, else runs/<recipe name>)",
     )
     p.add_argument(
         "--max-retries",

@@ -5,7 +5,8 @@ Model: the driver (the process that plans the run and hands tasks to an executor
 and the lock goes with a killed driver) and writes `<work dir>/run-lease.json` (host, pid, run id,
 heartbeat) every `HEARTBEAT_S`. A driver on another machine, where flock may not reach, refuses a
 lease whose heartbeat is fresh and takes over one that is stale (a driver that died: its tasks
-died with it). Tasks never take the lease: they are idempotent (an artifact is committed whole or
+died with it). With storage at a URL (`workbench.remote_store`) the lease file is written there
+too (flock covers the drivers of the mirror's machine). Tasks never take the lease: they are idempotent (an artifact is committed whole or
 not at all), so a rerun of the driver resumes by skipping every committed hash.
 """
 
@@ -58,49 +59,85 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def read_lease(work_dir: Path) -> Lease | None:
+class LeaseFile:
+    """The lease's file: `<work dir>/run-lease.json`, or `<url>/run-lease.json` (fsspec)."""
+
+    def __init__(self, work_dir: Path, url: str | None = None) -> None:
+        self.work_dir, self.url = work_dir, url
+
+    def read(self) -> str:
+        if self.url is None:
+            return (self.work_dir / LEASE).read_text()
+        import fsspec
+
+        with fsspec.open(f"{self.url}/{LEASE}", "r") as f:
+            return str(f.read())
+
+    def write(self, text: str) -> None:
+        if self.url is None:
+            tmp = self.work_dir / f".{LEASE}.tmp-{os.getpid()}"
+            tmp.write_text(text)
+            tmp.replace(self.work_dir / LEASE)
+            return
+        import fsspec
+
+        with fsspec.open(f"{self.url}/{LEASE}", "w") as f:
+            f.write(text)
+
+    def remove(self) -> None:
+        if self.url is None:
+            (self.work_dir / LEASE).unlink(missing_ok=True)
+            return
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(f"{self.url}/{LEASE}")
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(path)
+
+
+def read_lease(where: Path | LeaseFile) -> Lease | None:
+    file = where if isinstance(where, LeaseFile) else LeaseFile(where)
     try:
-        return Lease(**json.loads((work_dir / LEASE).read_text()))
+        return Lease(**json.loads(file.read()))
     except (FileNotFoundError, json.JSONDecodeError, TypeError):
         return None
 
 
-def _write(work_dir: Path, lease: Lease) -> None:
-    tmp = work_dir / f".{LEASE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(asdict(lease)))
-    tmp.replace(work_dir / LEASE)
+def _write(file: LeaseFile, lease: Lease) -> None:
+    file.write(json.dumps(asdict(lease)))
 
 
 @contextlib.contextmanager
-def driver_lease(work_dir: Path) -> Iterator[Lease]:
-    """Hold the work dir for this process's run; LeaseError when another live driver has it."""
+def driver_lease(work_dir: Path, url: str | None = None) -> Iterator[Lease]:
+    """Hold the work dir (and the storage `url` it mirrors) for this process's run; LeaseError
+    when another live driver has it."""
     work_dir.mkdir(parents=True, exist_ok=True)
+    file = LeaseFile(work_dir, url)
     with file_lock(work_dir / ".lock"):
-        held = read_lease(work_dir)
+        held = read_lease(file)
         if held is not None and held.pid != os.getpid() and held.alive(time.time()):
             raise LeaseError(
-                f"{work_dir}: run {held.run_id} of the driver {held.host}:{held.pid} holds this "
+                f"{url or work_dir}: run {held.run_id} of the driver {held.host}:{held.pid} holds this "
                 f"work dir (heartbeat {time.time() - held.heartbeat:.0f} s ago); wait for it to "
                 f"finish or stop it (a dead driver's lease lapses after {STALE_AFTER_S:.0f} s)"
             )
         lease = Lease(uuid.uuid4().hex[:12], socket.gethostname(), os.getpid(), time.time())
-        _write(work_dir, lease)
+        _write(file, lease)
         stop = threading.Event()
-        beat = threading.Thread(target=_beat, args=(work_dir, lease, stop), daemon=True)
+        beat = threading.Thread(target=_beat, args=(file, lease, stop), daemon=True)
         beat.start()
         try:
             yield lease
         finally:
             stop.set()
             beat.join()
-            with contextlib.suppress(FileNotFoundError):
-                (work_dir / LEASE).unlink()
+            file.remove()
 
 
-def _beat(work_dir: Path, lease: Lease, stop: threading.Event) -> None:
+def _beat(file: LeaseFile, lease: Lease, stop: threading.Event) -> None:
     while not stop.wait(HEARTBEAT_S):
-        current = read_lease(work_dir)
+        current = read_lease(file)
         if current is not None and current.run_id != lease.run_id:
             return  # taken over (this driver was thought dead): the other run owns it now
-        with contextlib.suppress(OSError):
-            _write(work_dir, Lease(lease.run_id, lease.host, lease.pid, time.time()))
+        with contextlib.suppress(Exception):  # a storage hiccup: the next beat tries again
+            _write(file, Lease(lease.run_id, lease.host, lease.pid, time.time()))

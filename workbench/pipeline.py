@@ -16,6 +16,7 @@ skipping every committed hash.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ from workbench.distributed import barrier, is_main
 from workbench.executor import Events, Executor, LocalExecutor, Tasks
 from workbench.lease import driver_lease
 from workbench.recipe import Recipe, Variant
+from workbench.remote_store import RemoteStore
 from workbench.run_tasks import RunSpec, RunTasks
 from workbench.task_graph import ArtifactRef, GraphSettings, Node, TaskGraph, plan, plan_work, sha
 
@@ -70,8 +72,11 @@ class Pipeline:
         evaluate: Evaluate | None = None,
         keep_checkpoints: int = 1,
         recipe_dir: Path | None = None,
+        store: RemoteStore | None = None,
     ) -> None:
+        """With a `store`, `work_dir` is its local mirror (`workbench.remote_store`)."""
         self.recipe, self.base, self.work_dir, self.force = recipe, base, work_dir, force
+        self.store = store
         self.keep_checkpoints = keep_checkpoints
         self.recipe_hash = recipe_hash(recipe)
         self.evaluate = evaluate
@@ -127,7 +132,8 @@ class Pipeline:
         if self._locked:
             yield
             return
-        lease = driver_lease(self.work_dir) if is_main() else contextlib.nullcontext()
+        url = self.store.url if self.store else None
+        lease = driver_lease(self.work_dir, url) if is_main() else contextlib.nullcontext()
         with lease:
             self._locked = True
             try:
@@ -176,6 +182,7 @@ class Pipeline:
             force=self.force,
             keep_checkpoints=self.keep_checkpoints,
             evaluate=self.evaluate is not None,
+            store=self.store,
         )
         return RunTasks(spec, self.evaluate)
 
@@ -196,6 +203,12 @@ class Pipeline:
         assert node.out is not None
         expected = node.deps[0] if node.kind == "mirror" else node.key
         path, problems = self.work_dir / node.out, list[str]()
+        if self.store is not None:  # committed at the URL: a task that reads it pulls it
+            found = None if self.force else self.store.manifest(node.out)
+            if found is None or found.get("hash") != expected:
+                return None
+            digest = hashlib.sha256(self.store.manifest_bytes(node.out) or b"").hexdigest()
+            return ArtifactRef(expected, str(path), digest, "reused")
         if self.force or _reusable(path, expected, problems) is None:
             if problems:
                 self._problems[node.key] = problems[0]
@@ -207,6 +220,8 @@ class Pipeline:
         out = []
         for name, key in graph.finals.items():
             ref: ArtifactRef = results[key]
+            if self.store is not None:  # the report reads each variant's files (`serves_in`)
+                self.store.pull(self.store.rel(ref.path))
             manifest = Manifest.read(Path(ref.path))
             assert manifest is not None and manifest.hash == ref.hash, f"{ref.path}: committed"
             variant = next(v for v in self.recipe.variants if v.name == name)

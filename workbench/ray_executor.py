@@ -14,9 +14,7 @@ for its progress lines. Usage statistics are off.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import socket
 import sys
 import uuid
@@ -27,9 +25,11 @@ from typing import Any
 
 from workbench.executor import Events, ExecutorError, TaskEvent, TaskFailed, Tasks, TaskState
 from workbench.recipe import Recipe
+from workbench.remote_store import RemoteStore
 from workbench.resources import LOAD_SLOT, Shape
 from workbench.storage import StorageError, check_writable
 from workbench.task_graph import Node
+from workbench.task_status import TaskStatus
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 STATUS_DIR = ".tasks"
@@ -147,6 +147,39 @@ def _probed(ref: Any, token: str) -> str:
         return f"error: {str(e).strip().splitlines()[-1]}"
 
 
+def _reach(store: RemoteStore) -> str:
+    """On one node: '' when it can write and read the store's URL and make its mirror, else why."""
+    try:
+        store.check()
+    except StorageError as e:
+        return str(e)
+    return ""
+
+
+def check_reachable(store: RemoteStore) -> None:
+    """Every node of the cluster can write the store's URL and make the mirror; else
+    StorageError naming the nodes that cannot and why."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    store.check()
+    reach = ray.remote(num_cpus=0, max_retries=0)(_reach)
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    refs = [
+        reach.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+        ).remote(store)
+        for n in nodes
+    ]
+    problems = [
+        f"{n['NodeManagerAddress']}: {why}"
+        for n, ref in zip(nodes, refs)
+        if (why := _probed(ref, ""))
+    ]
+    if problems:
+        raise StorageError("; ".join(problems))
+
+
 @dataclass
 class RayExecutor:
     address: str | None = None
@@ -156,13 +189,19 @@ class RayExecutor:
     work_dir: Path | None = None
     """The run's storage, once `prepare` checked it."""
 
-    def prepare(self, recipe: Recipe, work_dir: Path) -> bool:
-        """Join the cluster and check the storage, before any work; whether it has GPUs."""
+    store: RemoteStore | None = None
+
+    def prepare(self, recipe: Recipe, work_dir: Path, store: RemoteStore | None = None) -> bool:
+        """Join the cluster and check the storage (a shared dir, or a URL every node can
+        write), before any work; whether it has GPUs."""
         import ray
 
         _connect(self.address)
-        check_shared(work_dir.absolute())
-        self.work_dir = work_dir.absolute()
+        if store is not None:
+            check_reachable(store)
+        else:
+            check_shared(work_dir.absolute())
+        self.work_dir, self.store = work_dir.absolute(), store
         return ray.cluster_resources().get("GPU", 0) > 0
 
     def run(
@@ -173,15 +212,24 @@ class RayExecutor:
         _connect(self.address)
         _check_feasible(todo, [n for n in ray.nodes() if n["Alive"]])
         assert self.work_dir is not None, "prepare() checks the storage first"
-        status = self.work_dir / STATUS_DIR / uuid.uuid4().hex[:12]
-        status.mkdir(parents=True, exist_ok=True)
+        run_id = uuid.uuid4().hex[:12]
+        status = TaskStatus(
+            f"{self.store.url}/{STATUS_DIR}/{run_id}"
+            if self.store
+            else str(self.work_dir / STATUS_DIR / run_id)
+        )
         try:
             return self._run(todo, done, tasks, events, status)
         finally:
-            shutil.rmtree(status, ignore_errors=True)
+            status.remove()
 
     def _run(
-        self, todo: list[Node], done: dict[str, Any], tasks: Tasks, events: Events, status: Path
+        self,
+        todo: list[Node],
+        done: dict[str, Any],
+        tasks: Tasks,
+        events: Events,
+        status: TaskStatus,
     ) -> dict[str, Any]:
         import ray
 
@@ -191,7 +239,7 @@ class RayExecutor:
             inputs = [refs.get(k, done.get(k)) for k in node.deps]
             remote = gpu_task if node.shape.gpus else cpu_task
             options = _options(node.shape, self.max_retries, node.label)
-            refs[node.key] = remote.options(**options).remote(tasks, node, str(status), *inputs)
+            refs[node.key] = remote.options(**options).remote(tasks, node, status, *inputs)
             events(TaskEvent(node, "queued"))
         by_ref = {ref: node for node, ref in zip(todo, refs.values())}
         results, seen = dict(done), dict[str, tuple[int, str | None]]()
@@ -266,14 +314,12 @@ def _cause(error: Exception) -> str:
     return text[-1] if text else type(error).__name__
 
 
-def _run_task(tasks: Tasks, node: Node, status: str, *inputs: Any) -> Any:
+def _run_task(tasks: Tasks, node: Node, status: TaskStatus, *inputs: Any) -> Any:
     """One attempt at `node` on a worker: record the attempt, then run it."""
-    file = Path(status) / f"{node.key.replace('/', '_')}.json"
-    previous = json.loads(file.read_text()) if file.is_file() else {"attempt": 0}
-    record = {"attempt": previous["attempt"] + 1, "where": _where(), "pid": os.getpid()}
-    tmp = file.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(file)
+    previous = status.read(node.key) or {"attempt": 0}
+    status.write(
+        node.key, {"attempt": previous["attempt"] + 1, "where": _where(), "pid": os.getpid()}
+    )
     _use_cpus(node.shape.cpus)
     return tasks(node, dict(zip(node.deps, inputs)))
 
@@ -296,14 +342,12 @@ def _where() -> str:
 
 
 def _announce(
-    todo: list[Node], status: Path, seen: dict[str, tuple[int, str | None]], events: Events
+    todo: list[Node], status: TaskStatus, seen: dict[str, tuple[int, str | None]], events: Events
 ) -> None:
     """A running or retried event for each attempt that started since the last look."""
     for node in todo:
-        file = status / f"{node.key.replace('/', '_')}.json"
-        try:
-            record = json.loads(file.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        record = status.read(node.key)
+        if record is None:
             continue
         attempt = int(record["attempt"])
         if seen.get(node.key, (0, None))[0] < attempt:

@@ -106,7 +106,8 @@ class Recipe(_Strict):
     """What each kind of measurement asks of a cluster; derived where left out."""
     storage: str | None = None
     """The work dir every node of a cluster mounts (`--storage` overrides it; default
-    `runs/<name>`): a path, relative to where `workbench run` starts."""
+    `runs/<name>`): a path, relative to where `workbench run` starts, or an fsspec URL
+    (`s3://bucket/run`: `workbench.remote_store`)."""
 
     @field_validator("base")
     @classmethod

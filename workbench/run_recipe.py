@@ -23,6 +23,7 @@ from workbench.distributed import is_main
 from workbench.executor import Executor, LocalExecutor, describe
 from workbench.pipeline import Pipeline
 from workbench.recipe import Recipe, RecipeError, load_recipe
+from workbench.remote_store import RemoteStore, is_url
 from workbench.run_tasks import Measured
 from workbench.storage import check_writable
 from workbench.task_graph import TaskGraph
@@ -63,14 +64,16 @@ def run(
     executor: Executor | None = None,
 ) -> RunResult:
     """Build (or reuse) the recipe's variants in `work_dir` (default: the recipe's `storage:`,
-    else `runs/<recipe name>`), measure them and write the report to `report_dir` (default: the
+    else `runs/<recipe name>`; an fsspec URL: `workbench.remote_store`), measure them and write the report to `report_dir` (default: the
     recipe's `report.output_dir`, else `reports/<recipe name>`). `variants` limits the run to
     those names; `force` rebuilds and measures again; `executor` runs the tasks (default: this
     process, one after another). Raises `RecipeError` / `PipelineError` (and the executor's
     own errors, e.g. an unreachable cluster) before anything is built."""
     recipe, base = load_recipe(recipe_path)
     _check_variant_names(Path(recipe_path), recipe, variants)
-    work = Path(work_dir or recipe.storage or Path("runs") / recipe.name)
+    where = work_dir or recipe.storage or Path("runs") / recipe.name
+    store = RemoteStore.at(str(where)) if is_url(where) else None  # checked before any work
+    work = Path(store.local) if store else Path(where)
     out_dir = Path(report_dir or recipe.report.output_dir or Path("reports") / recipe.name)
     progress(f"recipe {recipe.name}: base {base.name} ({base.kind}), work dir {work}")
     pipeline = Pipeline(
@@ -81,12 +84,13 @@ def run(
         evaluate=_evaluate(recipe),
         keep_checkpoints=keep_checkpoints,
         recipe_dir=Path(recipe_path).parent.absolute(),
+        store=store,
     )
     executor = executor or LocalExecutor()
     check_writable(work)
     chosen = pipeline.variants(variants)
     prepare = getattr(executor, "prepare", None)
-    gpus = prepare(recipe, work) if prepare is not None else False  # checks before any work
+    gpus = prepare(recipe, work, store) if prepare is not None else False  # checks first
     if recipe.evals.run_the_engine and is_main():  # compiled beside the builds, not before evals
         from serve.model.kernel_builds import prebuild_engine_kernels
 
@@ -99,6 +103,8 @@ def run(
             on_variant(r)  # type: ignore[misc]  # on_variant is set: checked on the line above
         if not is_main():  # under accelerate launch / torchrun the main process measures
             return RunResult(recipe, base, work, results, None, None, out_dir)
+        if store is not None:
+            store.pull_evals()
         measured = _gathered(recipe, graph, done, results, work, progress)
     from reports.report import build_report, write_report
 

@@ -20,6 +20,7 @@ from typing import Any
 from evals.variant import VariantResult
 from workbench.build_task import Builder, Evaluate
 from workbench.recipe import Recipe
+from workbench.remote_store import RemoteStore
 from workbench.task_graph import ArtifactRef, Node
 
 
@@ -37,6 +38,9 @@ class RunSpec:
     keep_checkpoints: int = 1
     evaluate: bool = False
     """Measure each built variant for its manifest (`evals.artifact_eval.evaluate`)."""
+    store: RemoteStore | None = None
+    """Storage at a URL, `work_dir` its local mirror: a task pulls what it reads and pushes
+    what it commits (`workbench.remote_store`)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -84,6 +88,23 @@ class RunTasks:
         return Builder(recipe, base, work, s.recipe_hash, s.force, evaluate, s.keep_checkpoints)
 
     def __call__(self, node: Node, inputs: dict[str, Any]) -> Any:
+        store = self.spec.store
+        if store is None:
+            return self._run(node, inputs)
+        for ref in inputs.values():
+            if isinstance(ref, ArtifactRef) and not store.pull(store.rel(ref.path)):
+                raise FileNotFoundError(f"{store.url}/{store.rel(ref.path)}: not committed there")
+        if node.out is not None and not self.spec.force:
+            store.pull(node.out)  # committed by an earlier attempt: the builder reuses it
+        store.pull_evals()
+        before = store.evals_snapshot()
+        result = self._run(node, inputs)
+        if node.out is not None:
+            store.push(node.out)
+        store.push_evals(before)
+        return result
+
+    def _run(self, node: Node, inputs: dict[str, Any]) -> Any:
         if node.kind == "mirror":
             return self.builder.mirror(node, inputs[node.deps[0]])
         if node.kind in ("build", "calibrate", "train"):

@@ -26,15 +26,13 @@ class StorageError(ValueError):
     """The work dir cannot serve as the run's storage."""
 
 
-def storage_path(value: str) -> Path:
-    """A path or a `file://` URL as an absolute path; other URLs are refused with the fix."""
+def storage_path(value: str) -> Path | str:
+    """A path or a `file://` URL as an absolute path; any other URL as it is (fsspec storage:
+    `workbench.remote_store`)."""
     parsed = urlparse(value)
     if parsed.scheme in ("", "file"):
         return Path(parsed.path if parsed.scheme else value).expanduser().absolute()
-    raise StorageError(
-        f"--storage {value}: {parsed.scheme}:// storage is not read by path; mount it on every "
-        f"node (s3fs, gcsfuse, an NFS or Lustre share) and pass the mount point's path"
-    )
+    return value
 
 
 def check_writable(work_dir: Path) -> None:

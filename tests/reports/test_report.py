@@ -223,6 +223,9 @@ def test_load_points_and_kv_saturation(small_run: Run) -> None:
         measured = v["load"]["measured"]  # when and where: this run, this machine
         assert measured["host"] == platform.node() and measured["cpu_count"] == os.cpu_count()
         assert report["created"] >= measured["started"] and 0 < measured["seconds"] < 900
+        where = f"{platform.node()} ({measured['cpu']}, {os.cpu_count()} CPUs)"  # no GPU here
+        assert v["row"]["ran_on"] == where and v["load"].get("gpu") is None
+        assert f"| {where} |" in (small_run.report_dir / "report.md").read_text()
     assert report["problems"] == []
     # measured back to back: one sitting, which the report leaves unsaid
     assert [s["variants"] for s in report["load_sittings"]] == [VARIANTS]

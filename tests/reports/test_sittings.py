@@ -83,3 +83,19 @@ def test_the_capacity_sentence_says_when_sittings_are_mixed() -> None:
     report["load_sittings"] = report["load_sittings"][:1]
     sentence = next(s for s in recommendation(report) if s.startswith(label))
     assert "sittings" not in sentence
+
+
+def test_each_ramp_names_the_machine_and_gpu_or_cpu_it_ran_on() -> None:
+    from evals.results import LoadResult, Sitting
+    from reports.rows import ran_on
+
+    sitting = Sitting(started="2026-12-02T19:00:00+00:00", seconds=60.0, **MACHINE)
+    on_cpu = LoadResult.model_construct(measured=sitting, gpu=None, measured_on=None)
+    assert ran_on(on_cpu) == "vm-1 (AMD EPYC 7B13, 2 CPUs)"
+    gpu = "NVIDIA H100 80GB HBM3"
+    on_gpu = LoadResult.model_construct(measured=sitting, gpu=gpu, measured_on=None)
+    assert ran_on(on_gpu) == "vm-1 (NVIDIA H100 80GB HBM3)"
+    twin = LoadResult.model_construct(measured=sitting, gpu=gpu, measured_on="int8")
+    assert ran_on(twin) == "as int8 on vm-1 (NVIDIA H100 80GB HBM3)"
+    older = LoadResult.model_construct(measured=None, gpu=None, measured_on=None)
+    assert ran_on(older) is None

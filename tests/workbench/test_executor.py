@@ -101,7 +101,12 @@ def _run(tmp_path: Path, *flags: str) -> int:
             ["--storage", "{tmp}/s", "--work-dir", "{tmp}/w"],
             "pass one of them",
         ),
-        ("storage url", ["--storage", "s3://bucket/runs"], "mount it on every node"),
+        ("storage url without its backend", ["--storage", "s3://bucket/runs"], "pip install s3fs"),
+        (
+            "storage url of no known scheme",
+            ["--storage", "nosuch://b/r"],
+            "nosuch:// is not readable",
+        ),
         ("storage not writable", ["--storage", "{tmp}/a-file/runs"], "not writable here"),
         (
             "unreachable address",

@@ -298,12 +298,15 @@ def test_a_task_computes_on_as_many_threads_as_it_holds_cpus(gate: Path, tmp_pat
     from workbench.ray_executor import _run_task
     from workbench.resources import Shape
     from workbench.task_graph import Node
+    from workbench.task_status import TaskStatus
 
     task = ray.remote(_run_task)
     found = {}
     for cpus in (2.0, 1.0, 0.5, 2.0):  # a reused worker takes each task's count anew
         node = Node(f"t{cpus}", "build", "threads", Shape(cpus, 0.0, 0))
-        found[cpus] = ray.get(task.options(num_cpus=cpus).remote(_threads, node, str(tmp_path)))
+        found[cpus] = ray.get(
+            task.options(num_cpus=cpus).remote(_threads, node, TaskStatus(str(tmp_path)))
+        )
     assert found == {2.0: 2, 1.0: 1, 0.5: 1}
 
 
