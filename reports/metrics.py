@@ -202,6 +202,7 @@ def serving_metrics(load_settings: dict[str, Any]) -> list[Metric]:
         Metric("peak_output_tok_s", "peak tok/s", "float", "higher", "serving", short="peak tok/s"),
         Metric("peak_req_s", "peak req/s", "float", "higher", "serving"),
         Metric("failed_requests", "failed requests", "int", "lower", "serving"),
+        Metric("ran_on", "ran on", "text", None, "serving"),
     ]
     slo = load_settings.get("slo")
     bounds = ", ".join(f"{k.removesuffix('_s')} {v:g} s" for k, v in (slo or {}).items() if v)

@@ -54,6 +54,7 @@ def load_columns(load: LoadResult | None) -> dict[str, Any]:
         "peak_output_tok_s": max(p.output_throughput for p in load.points),
         "peak_req_s": max(p.request_throughput for p in load.points),
         "failed_requests": sum(p.failed for p in load.every_point()),
+        "ran_on": ran_on(load),
     }
     for length, cap in capacity.items():
         row[CAPACITY_CONC.key(length)] = cap.concurrency
@@ -67,6 +68,16 @@ def load_columns(load: LoadResult | None) -> dict[str, Any]:
         estimate = sat.estimated_concurrency
         row[SATURATION_ESTIMATE.key(length)] = round(estimate, 1) if estimate is not None else None
     return row
+
+
+def ran_on(load: LoadResult) -> str | None:
+    """The machine the ramp ran on, and its GPU or else its CPU: `node-3 (NVIDIA H100 80GB
+    HBM3)`, `vm (AMD EPYC, 2 CPUs)`; a twin's ramp names the variant it was measured as."""
+    m = load.measured
+    where = (f"{m.host} ({load.gpu or f'{m.cpu}, {m.cpu_count} CPUs'})") if m else None
+    if load.measured_on:
+        return f"as {load.measured_on}" + (f" on {where}" if where else "")
+    return where
 
 
 def variant_row(
