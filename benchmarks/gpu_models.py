@@ -21,7 +21,7 @@ from compress.packed import packed_module
 def llama_25m() -> PretrainedConfig:
     from transformers import AutoConfig
 
-    from benchmarks.engine_bench import default_llama_25m
+    from benchmarks.bench_models import default_llama_25m
 
     return AutoConfig.from_pretrained(default_llama_25m())
 

@@ -28,7 +28,7 @@ import torch
 from transformers import AutoTokenizer
 
 from benchmarks.step_bench import resolve_model
-from compress.load_spec import load_model
+from compress.load_model import load_model
 from evals.quality import TaskRequest, run_tasks
 from serve.model.host_memory import keep_freed_memory
 

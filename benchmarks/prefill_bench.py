@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args(argv)
     if args.model is None:
-        from benchmarks.engine_bench import default_llama_25m
+        from benchmarks.bench_models import default_llama_25m
 
         args.model = default_llama_25m()
     llm = LLM(

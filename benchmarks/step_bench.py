@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from benchmarks.engine_bench import DEFAULT_BLOCK_SIZE, default_llama_25m, load_baseline_model
+from benchmarks.bench_models import DEFAULT_BLOCK_SIZE, default_llama_25m, load_baseline_model
 from benchmarks.vllm_system import VllmWorker
 from serve.core.config import AttentionBackend, CacheConfig, Dtype, ModelConfig, SchedulerConfig
 from serve.core.sampling_params import SamplingParams

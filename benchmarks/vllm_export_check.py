@@ -28,7 +28,7 @@ import torch
 from benchmarks.vllm_system import VllmWorker
 from compress.artifact import artifact_from_manifest
 from compress.export import export
-from compress.load_spec import load_model
+from compress.load_model import load_model
 from evals import gguf_check
 from evals.artifact_eval import load_for_eval
 

@@ -6,7 +6,7 @@ quantize (`targets`, all linear layers by default, minus `ignore`); the quantize
 written with `save_pretrained`, so transformers (and the engine) load it again from its
 `config.json` alone. bitsandbytes methods go through `BitsAndBytesConfig`; `int8-wo` through
 torchao's int8 weight-only config (per-channel int8 weights, activations kept in float). The
-packed methods write codes, scales and zero points that `compress.load_spec.load_model` serves
+packed methods write codes, scales and zero points that `compress.load_model.load_model` serves
 with torch's int4 / int8 kernels. `method` selects the params model (a tagged union).
 """
 

@@ -20,7 +20,7 @@ import torch
 from catalog.data import NAMED
 from compress import Artifact
 from compress.data import load_texts, perplexity, token_rows
-from compress.load_spec import load_model
+from compress.load_model import load_model
 from compress.manifest import ArtifactEval
 
 EVAL_ROWS = 64

@@ -1,14 +1,14 @@
-"""Measure every built variant for the report: quality with lm-eval, divergence from the
-reference variant, and (`evals.serving_evals`) serving under load.
+"""The in-process measurements of a built variant: quality with lm-eval and divergence from the
+reference variant (serving under load: `evals.serving_evals`; all of them for a run:
+`evals.measure.measure_variants`).
 
-Each measurement is stored and reused as `evals.stored` describes; `measure_variants` hands the
-report one typed `Measurements`.
+Each measurement is stored and reused as `evals.stored` describes; `Measurements` is what the
+report receives.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,33 +208,3 @@ class Measurements:
             load=self.load.get(name),
             answers=self.answers.get(name),
         )
-
-
-def measure_variants(
-    evals: Evals,
-    results: list[VariantResult],
-    work_dir: Path,
-    force: bool = False,
-    progress: Callable[[str], None] = lambda _: None,
-) -> Measurements:
-    from evals.serving_evals import measure_serving
-
-    out = Measurements()
-    for r in results:
-        if evals.quality:
-            out.quality[r.name], reused = quality(evals, r, work_dir, force)
-            progress(f"quality {r.name}: {'reused' if reused else 'measured'}")
-            if reused:
-                out.reused.append(f"{r.name}/quality")
-        div, reused = divergence_result(evals, r, results, work_dir, force)
-        if div is None and evals.divergence is not None:
-            ref = evals.divergence.reference
-            progress(f"divergence {r.name}: skipped, {ref!r} is not in this run (--variant {ref})")
-        if div is not None:
-            out.divergence[r.name] = div
-            progress(f"divergence {r.name}: {'reused' if reused else 'measured'}")
-            if reused:
-                out.reused.append(f"{r.name}/divergence")
-    if evals.load is not None or evals.chat_prompts:
-        measure_serving(evals, results, work_dir, force, out, progress)
-    return out

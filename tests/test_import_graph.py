@@ -127,3 +127,85 @@ def test_the_http_server_reaches_the_engine_only_through_async_engine() -> None:
                     isinstance(inner, ast.Attribute) and inner.attr == "engine"
                 )
                 assert not reached, f"{path}:{node.lineno} reaches the LLMEngine"
+
+
+LAYERED = (*PACKAGES, "benchmarks")
+
+
+def module_graph() -> dict[str, set[str]]:
+    """module -> the modules of LAYERED it imports, lazily, under TYPE_CHECKING or not. `from
+    pkg import sub` of a submodule depends on `pkg.sub` alone (the package's `__init__` runs
+    either way: it is no edge of its own)."""
+    files = {}
+    for package in LAYERED:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            files[name.removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & files.keys()
+                whole = len(subs) == len(node.names)
+                found |= subs | ({node.module} & files.keys() if not whole else set())
+        graph[name] = found - {name}
+    return graph
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's cycles as its strongly connected components of more than one node."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_two_files_import_each_other_even_lazily() -> None:
+    graph = module_graph()
+    cycles = strongly_connected(graph)
+    assert cycles == [], "files in an import cycle (break it by moving what both need down):\n" + (
+        "\n".join(
+            "  " + ", ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c) for c in cycles
+        )
+    )
+
+
+def test_the_file_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert strongly_connected(graph) == [["a", "b", "c"]]
+    assert strongly_connected({"a": {"b"}, "b": set()}) == []
+
+
+def test_benchmarks_are_the_top_layer_that_no_package_imports() -> None:
+    upward = sorted(
+        f"{m} imports {d}"
+        for m, deps in module_graph().items()
+        if not m.startswith("benchmarks")
+        for d in deps
+        if d.split(".")[0] == "benchmarks"
+    )
+    assert upward == []

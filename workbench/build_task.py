@@ -38,6 +38,7 @@ from compress.manifest import ArtifactEval, BaseRecord, Manifest, ParentRef, Rec
 from workbench.base_model import BaseRef, base_artifact, base_fingerprint
 from workbench.distributed import barrier, is_main, scratch_dir
 from workbench.measure import PeakMemory, package_versions
+from workbench.model_shape import parameter_count
 from workbench.recipe import Recipe
 from workbench.storage import commit_gate
 from workbench.task_graph import ArtifactRef, Node, StepCall, chain
@@ -181,8 +182,6 @@ class Builder:
         peak: PeakMemory,
     ) -> Manifest:
         """What the finished artifact (still in its temporary dir `made.path`) records."""
-        from workbench.pipeline import parameter_count
-
         return Manifest(
             variant=variant,
             kind=made.kind,

@@ -4,6 +4,7 @@ benchmark, export a variant, compare runs on the dashboard, build the demo model
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     """The schema, then the steps' own checks (order, quantized inputs, targets when the base
     is at hand): what validate accepts, run does not refuse."""
     from workbench.base_model import base_dir_if_present
-    from workbench.pipeline import module_names, position_limit
+    from workbench.model_shape import module_names, position_limit
 
     recipe, base = load_recipe(args.recipe)
     base_dir = base_dir_if_present(base)
@@ -238,9 +239,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from benchmarks.engine_bench import main as bench_main
-
-    return bench_main(args.args)
+    """This process becomes `python -m benchmarks.engine_bench ARGS` (its signals and exit code
+    its own): `benchmarks` is the layer above the packages, which never import it."""
+    command = [sys.executable, "-m", "benchmarks.engine_bench", *args.args]
+    os.execv(sys.executable, command)
 
 
 def build_parser() -> argparse.ArgumentParser:

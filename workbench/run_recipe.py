@@ -3,7 +3,7 @@
 The sequence of typed hand-offs: `load_recipe` -> (`Recipe`, `BaseRef`) -> `Pipeline.graph` (the
 task graph: builds, measurements, the report) -> an executor runs what is not committed yet ->
 `list[VariantResult]` (each with its `Manifest`) and the measurements the tasks stored ->
-`evals.variant_evals.measure_variants` reads them back -> `Measurements` ->
+`evals.measure.measure_variants` reads them back -> `Measurements` ->
 `reports.report.build_report` -> the report (JSON, Markdown, HTML) on disk -> `RunResult`. The
 CLI parses flags, calls `run` and prints; tests call `run` directly.
 """
@@ -131,7 +131,7 @@ def _gathered(
 ) -> Measurements:
     """Every measurement the tasks stored, read back in recipe order (`measure_variants` finds
     each under its key), and what of it an earlier run had measured."""
-    from evals import variant_evals
+    from evals import measure
 
     records: list[Measured] = [done[k] for k, n in graph.nodes.items() if n.kind in MEASURED]
     for record in records:
@@ -141,7 +141,7 @@ def _gathered(
     if div is not None and div.reference not in graph.finals:
         ref = div.reference
         progress(f"divergence: skipped, {ref!r} is not in this run (--variant {ref})")
-    measured = variant_evals.measure_variants(recipe.evals, results, work, False)
+    measured = measure.measure_variants(recipe.evals, results, work, False)
     earlier = {item for record in records for item in record.reused}
     measured.reused = [item for item in measured.reused if item in earlier]
     return measured

@@ -18,20 +18,38 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from serve.core.request import Request
-from serve.core.scheduler import SchedulerOutput
-from serve.model.sampler import Sampled, SampleInput, select_rows
+from serve.core.scheduler import Scheduler, SchedulerOutput
+from serve.model.sampler import Sampled, SampleInput, Sampler, select_rows
 
 if TYPE_CHECKING:
-    from serve.engine.llm_engine import LLMEngine
     from serve.engine.output_processor import RequestOutput
+    from serve.model.model_runner import ModelRunner
 
 StepResult = dict[str, Sampled]
 """What a step sampled: request id -> its token (and logprobs)."""
+
+
+class SteppedEngine(Protocol):
+    """What the overlapped steps need of their engine (`serve.engine.llm_engine.LLMEngine`)."""
+
+    runner: ModelRunner
+    scheduler: Scheduler
+    sampler: Sampler
+    adapters: Any
+    last_step_tokens: int
+
+    def step_sync(self) -> list[RequestOutput]: ...
+
+    def land(self, out: SchedulerOutput, result: Future[StepResult]) -> list[RequestOutput]: ...
+
+    def sample_input(self, request: Request) -> SampleInput: ...
+
+    def wants_token(self, request_id: str) -> bool: ...
 
 
 def with_samples(out: SchedulerOutput, sampled: StepResult) -> SchedulerOutput:
@@ -62,7 +80,7 @@ class InFlight:
 class OverlappedSteps:
     """One engine's steps with a step of lag (`LLMEngine.step` when async scheduling is on)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: SteppedEngine) -> None:
         self.engine = engine
         device = engine.runner.device
         # the worker computes on the engine's device (a thread's current CUDA device is its own)

@@ -16,7 +16,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from compress.artifact import check_intact
-from compress.load_spec import load_model as load_artifact
+from compress.load_model import load_model as load_artifact
 from compress.load_spec import own_dtype
 from serve.core.config import (
     ATTENTION_BACKENDS,

@@ -54,7 +54,8 @@ def test_the_engine_benchmark_answers_as_generate_does(tiny_model_dir: Path) -> 
     """The engine's outputs in the benchmark are transformers' greedy continuations."""
     import torch
 
-    from benchmarks.engine_bench import engine_for, load_baseline_model
+    from benchmarks.bench_models import load_baseline_model
+    from benchmarks.engine_bench import engine_for
 
     w = make_workload("mixed-256", 2, 500, seed=3)
     w = Workload(w.name, [p[:12] for p in w.prompts], [5, 7])
@@ -71,8 +72,8 @@ def test_the_engine_benchmark_answers_as_generate_does(tiny_model_dir: Path) -> 
 
 def test_the_parameter_count_is_the_architectures(tiny_model_dir: Path) -> None:
     """The benchmark reports the pipeline's count: the architecture's, no weights read."""
-    from benchmarks.engine_bench import load_baseline_model
-    from workbench.pipeline import parameter_count
+    from benchmarks.bench_models import load_baseline_model
+    from workbench.model_shape import parameter_count
 
     model = load_baseline_model(tiny_model_dir)
     assert parameter_count("model", tiny_model_dir) == sum(p.numel() for p in model.parameters())

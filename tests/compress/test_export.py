@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM
 
 from compress import export as export_mod
 from compress.export import ExportError, export, packed_weights
-from compress.load_spec import load_model, read_load_spec
+from compress.load_model import load_model
+from compress.load_spec import read_load_spec
 from workbench.cli import main
 
 CT_EXPORTABLE = ("rtn", "rtn-sym", "rtn-emb4", "gptq", "gptq8", "gptq8-g32", "awq", "mixed")

@@ -278,7 +278,7 @@ def test_a_packed_artifact_loads_onto_tinygemm_and_gives_the_cpu_kernels_logits(
     linear and the tied head become tinygemm modules reading one copy of the codes, and the
     logits are the CPU kernels' to bfloat16 rounding (measured: 0.6% of the largest logit
     at most)."""
-    from compress.load_spec import load_model
+    from compress.load_model import load_model
 
     path = _mixed_artifact(tiny_model_dir, tmp_path / "mixed")
     ids = torch.tensor([[5, 17, 400, 9, 300, 11, 12]])
@@ -303,7 +303,7 @@ def test_the_engine_on_a_packed_artifact_on_cuda_equals_generate(
     the engine's greedy tokens, decode graphs replayed, equal `generate`'s on the same float32
     model (the kernels compute in bfloat16, as on the CPU, where `test_packed_methods` checks
     the same), and its logits are the CPU kernels' to bfloat16 rounding."""
-    from compress.load_spec import load_model
+    from compress.load_model import load_model
     from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
     from serve.core.sampling_params import SamplingParams
     from serve.engine.llm_engine import LLMEngine

@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from compress.load_spec import PACKED, load_model, read_load_spec
+from compress.load_model import load_model
+from compress.load_spec import PACKED, read_load_spec
 from compress.packed import (
     PackedEmbedding4,
     PackedEmbedding8,

@@ -55,7 +55,7 @@ def test_quantized_variants_load_with_their_layer_types(built: dict[str, dict]) 
     assert config["bnb_4bit_quant_type"] == "nf4" and config["bnb_4bit_use_double_quant"] is True
     assert "lm_head" in config["llm_int8_skip_modules"]
     assert type(_layer(built["int8wo"]["path"]).weight).__name__ == "Int8Tensor"
-    from compress.load_spec import load_model
+    from compress.load_model import load_model
 
     int4 = load_model(built["int4wo"]["path"])
     up = int4.model.layers[0].mlp.up_proj  # torchao's tensors, run as our module (compress.packed)
@@ -73,7 +73,8 @@ def test_int4_wo_loads_in_the_dtype_asked_for(built: dict[str, dict]) -> None:
     KL to the base read 0.0028 against 0.0018 with them in float32). Asked for float32 it is
     float32 around the same int4 products; without a dtype, and in the engine's `auto`, it keeps
     its own bfloat16."""
-    from compress.load_spec import load_model, own_dtype
+    from compress.load_model import load_model
+    from compress.load_spec import own_dtype
     from compress.packed import PackedLinear4
     from serve.model.model_runner import resolve_dtype
 

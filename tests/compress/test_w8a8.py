@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from compress.export import ExportError, export
-from compress.load_spec import load_model
+from compress.load_model import load_model
 from compress.quantize import LibraryParams
 from workbench.pipeline import Pipeline
 from workbench.recipe import load_recipe

@@ -24,7 +24,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from compress.load_spec import load_model
+from compress.load_model import load_model
 from serve.model import cpu_attention
 from tests.serve.server_util import ThreadServer, start_thread_server
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compress.load_spec import load_model
+from compress.load_model import load_model
 from serve import LLMEngine
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from tests.serve.conftest import generate_each, make_cases
@@ -177,7 +177,8 @@ def test_int8_server_log_says_the_bitsandbytes_cast_once(
     """bitsandbytes logs "inputs will be cast from torch.float32 to float16" on every int8
     product: 145,000 lines (21 MB) in one demo server's log. Loaded through `load_model`, each
     distinct message is logged once."""
-    from compress.load_spec import BITSANDBYTES_MATMUL_LOGGER, load_model
+    from compress.load_model import load_model
+    from compress.load_spec import BITSANDBYTES_MATMUL_LOGGER
 
     model = load_model(quantized["int8"])
     with caplog.at_level("WARNING", logger=BITSANDBYTES_MATMUL_LOGGER), torch.inference_mode():
@@ -193,7 +194,8 @@ def test_int4_wo_linears_run_as_packed_modules_over_torchaos_tensors(
     """`int4-wo` loads through torchao, then each of its linears becomes a `PackedLinear4` over
     the same two tensors: the same bytes, the same kernel below `dequantize_rows` rows (equal
     logits), the dequantized product from there (within bfloat16 rounding)."""
-    from compress.load_spec import _int4_at_load, load_model, read_load_spec
+    from compress.load_model import _int4_at_load, load_model
+    from compress.load_spec import read_load_spec
     from compress.packed import PackedLinear4, dequantize_rows
     from evals.artifact_eval import memory_bytes
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from compress.load_spec import load_model
+from compress.load_model import load_model
 from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 

@@ -223,11 +223,11 @@ def test_measurements_run_under_the_work_dir_lock(
     stored under the old key)."""
     import fcntl
 
-    import evals.variant_evals
+    import evals.measure
     from workbench.run_recipe import run as run_recipe
 
     seen: list[bool] = []
-    measure = evals.variant_evals.measure_variants
+    measure = evals.measure.measure_variants
 
     def checking(*args: object, **kwargs: object) -> object:
         with (tmp_path / "work" / ".lock").open("a") as f:
@@ -240,7 +240,7 @@ def test_measurements_run_under_the_work_dir_lock(
                 seen.append(False)
         return measure(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(evals.variant_evals, "measure_variants", checking)
+    monkeypatch.setattr(evals.measure, "measure_variants", checking)
     path = tmp_path / "recipe.yaml"
     path.write_text("name: tiny\nbase: demo-tiny\nvariants:\n  - {name: base, steps: []}\n")
     result = run_recipe(path, tmp_path / "work", report_dir=tmp_path / "report")

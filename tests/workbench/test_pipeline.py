@@ -152,8 +152,9 @@ def test_divergence_without_its_reference_in_the_run_is_skipped(tmp_path: Path) 
     """`workbench run --variant int8` builds only int8: the divergence eval, whose reference is
     `base`, is skipped (it used to raise StopIteration)."""
     from compress.manifest import Manifest
+    from evals.measure import measure_variants
     from evals.variant import VariantResult
-    from evals.variant_evals import Measurements, divergence_result, measure_variants
+    from evals.variant_evals import Measurements, divergence_result
     from workbench.recipe import load_recipe
 
     recipe_file = tmp_path / "r.yaml"

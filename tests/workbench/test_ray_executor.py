@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from compress.artifact import MANIFEST, verify_files
+from tests.workbench.toy_recipes import FOUR_VARIANTS
 from workbench.executor import ExecutorError, LocalExecutor, TaskEvent, describe
 from workbench.resources import LOAD_SLOT
 from workbench.run_recipe import RunResult, run
@@ -26,19 +27,7 @@ from workbench.storage import GATE_ENV
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.e2e
 
-RECIPE = """\
-name: raytoy
-base: demo-tiny
-device: cpu
-variants:
-  - {name: base, steps: []}
-  - {name: twice, steps: [{identity: {}}, {identity: {}}]}
-  - {name: int8, steps: [{quantize: {method: bnb-int8}}]}
-  - {name: int8-kv8, steps: [{quantize: {method: bnb-int8}}], serve: {kv_cache_dtype: int8}}
-evals:
-  quality: [{task: corpus_ppl, limit: 4}]
-  max_length: 32
-"""
+RECIPE = FOUR_VARIANTS
 VOLATILE = {"wall_seconds", "created", "peak_memory_bytes", "peak_cuda_memory_bytes"}
 
 

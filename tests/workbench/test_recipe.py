@@ -411,7 +411,8 @@ def test_eval_lengths_past_the_position_limit_fail_validate(
 ) -> None:
     """Issue 23: validate said ok to lengths the base cannot take, which failed after the
     builds: eval lengths past the model's position limit and training windows past it."""
-    from workbench.pipeline import Pipeline, PipelineError, position_limit
+    from workbench.model_shape import position_limit
+    from workbench.pipeline import Pipeline, PipelineError
 
     limit = position_limit(tiny_model_dir)
     assert limit is not None

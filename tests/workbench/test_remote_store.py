@@ -15,6 +15,7 @@ import fsspec
 import pytest
 
 from compress.artifact import MANIFEST, verify_files
+from tests.workbench.toy_recipes import FOUR_VARIANTS
 from workbench.executor import LocalExecutor
 from workbench.lease import LEASE, LeaseError
 from workbench.remote_store import MIRROR_ENV, RemoteStore, mirror_dir
@@ -23,19 +24,7 @@ from workbench.storage import StorageError
 
 pytestmark = pytest.mark.e2e
 
-RECIPE = """\
-name: remote
-base: demo-tiny
-device: cpu
-variants:
-  - {name: base, steps: []}
-  - {name: twice, steps: [{identity: {}}, {identity: {}}]}
-  - {name: int8, steps: [{quantize: {method: bnb-int8}}]}
-  - {name: int8-kv8, steps: [{quantize: {method: bnb-int8}}], serve: {kv_cache_dtype: int8}}
-evals:
-  quality: [{task: corpus_ppl, limit: 4}]
-  max_length: 32
-"""
+RECIPE = FOUR_VARIANTS
 
 
 @pytest.fixture
