@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Pr
 
 from compress.calibrated import RTNParams, quantized_linears
 from compress.grids import rtn
-from compress.packed import packed_module
+from compress.packed_modules import packed_module
 
 
 def llama_25m() -> PretrainedConfig:

@@ -37,9 +37,10 @@ fitted one) alike.
   of up to `CUDA_INT8_KERNEL_ROWS` rows (the rest, and int8 groups, dequantize per call in the
   model's dtype). On other devices (and GPUs older than sm80) both dequantize per call in the
   model's dtype (correct, not fast).
-- An embedding may be int8 per row or int4 in groups (a table lookup dequantizes the rows it
-  reads); a tied `lm_head` then reads the same codes through the kernel, one copy in memory
-  (int4 rows are read back from the kernel's layout: `compress.int4pack`).
+- An embedding may be int8 per row or int4 in groups (`compress.packed_modules`: a table
+  lookup dequantizes the rows it reads); a tied `lm_head` then reads the same codes through the
+  kernel, one copy in memory (int4 rows are read back from the kernel's layout:
+  `compress.int4pack`).
 Stored in safetensors as `<module>.qweight` (uint8; int4 two codes a byte, even column in the low
 nibble), `<module>.scales` and `<module>.zeros` (float32, [out, groups]).
 """
@@ -56,10 +57,8 @@ from torch import nn
 
 from compress.int4pack import find_layout
 from compress.packed_cuda import (
-    TinygemmLinear4,
     int8_kernel_runs,
     kernel_scales_and_zeros,
-    tinygemm_runs,
 )
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -390,75 +389,3 @@ class PackedLinear8Grouped(_Int8Linear):
         if self.offset is not None:
             w = w + self.offset[start:stop, :, None].to(dtype)
         return w.reshape(q.shape)
-
-
-class PackedEmbedding8(nn.Module):
-    """int8 rows: a lookup dequantizes only the rows it reads. `embed_scale` (Gemma multiplies
-    its embeddings by sqrt(hidden)) is kept from the module it replaces."""
-
-    embed_scale: torch.Tensor | None
-    row_scales: torch.Tensor
-    row_offsets: torch.Tensor | None
-
-    def __init__(self, qw: Quantized, dtype: torch.dtype, embed_scale: torch.Tensor | None) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = qw.q.shape
-        self.linear = PackedLinear8(qw, None, dtype)
-        self.embed_scale = embed_scale
-        self.dtype = dtype
-        self.register_buffer("row_scales", qw.scales[:, 0].clone(), persistent=False)
-        offset = (128 - qw.zeros[:, 0]) * qw.scales[:, 0]
-        self.register_buffer("row_offsets", offset if offset.any() else None, persistent=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows dequantized in float32 from their float32 scales, then in the model's dtype."""
-        out = self.linear.q_signed[ids].float() * self.row_scales[ids][..., None]
-        if self.row_offsets is not None:
-            out = out + self.row_offsets[ids][..., None]
-        out = out.to(self.dtype)
-        return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
-
-
-class PackedEmbedding4(nn.Module):
-    """int4 rows in groups: a lookup dequantizes only the rows it reads, from the codes (and, on
-    the CPU, the bfloat16 scales) a tied head's kernel reads. `embed_scale` as in
-    `PackedEmbedding8`."""
-
-    embed_scale: torch.Tensor | None
-
-    def __init__(self, qw: Quantized, dtype: torch.dtype, embed_scale: torch.Tensor | None) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = qw.q.shape
-        self.linear = int4_linear(qw, None, dtype)
-        self.embed_scale = embed_scale
-        self.dtype = dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.linear.rows(ids).to(self.dtype)
-        return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
-
-
-def packed_embedding(
-    fmt: PackedFormat, qw: Quantized, dtype: torch.dtype, embed_scale: torch.Tensor | None
-) -> PackedEmbedding4 | PackedEmbedding8:
-    if fmt.bits == 8 and fmt.group_size is not None:
-        raise ValueError(f"an embedding is int8 per row or int4 in groups, not {fmt.name}")
-    return (PackedEmbedding4 if fmt.bits == 4 else PackedEmbedding8)(qw, dtype, embed_scale)
-
-
-def int4_linear(
-    qw: Quantized, bias: torch.Tensor | None, dtype: torch.dtype
-) -> PackedLinear4 | TinygemmLinear4:
-    """The int4 linear for the codes' device: tinygemm where it runs (CUDA, sm80+), else
-    `PackedLinear4` (the CPU kernel, or dequantized per call)."""
-    if tinygemm_runs(qw.q.device):
-        return TinygemmLinear4(qw.q, qw.scales, qw.zeros, bias, dtype)
-    return PackedLinear4(qw, bias, dtype)
-
-
-def packed_module(
-    fmt: PackedFormat, qw: Quantized, bias: torch.Tensor | None, dtype: torch.dtype
-) -> nn.Module:
-    if fmt.bits == 4:
-        return int4_linear(qw, bias, dtype)
-    return (PackedLinear8Grouped if fmt.group_size else PackedLinear8)(qw, bias, dtype)

@@ -19,14 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from compress.load_spec import PACKED, PACKED_VERSION, LoadSpec
-from compress.packed import (
-    PackedFormat,
-    Quantized,
-    pack_codes,
-    packed_embedding,
-    packed_module,
-    unpack_codes,
-)
+from compress.packed import PackedFormat, Quantized, pack_codes, unpack_codes
+from compress.packed_modules import packed_embedding, packed_module
 
 WEIGHTS = "model.safetensors"
 SUFFIXES = ("qweight", "scales", "zeros")

@@ -11,17 +11,15 @@ from compress.grids import hqq, rtn
 from compress.int4pack import CANDIDATES, Layout, find_layout
 from compress.packed import (
     NATIVE_BF16_DEQUANTIZE_ROWS,
-    PackedEmbedding4,
-    PackedEmbedding8,
     PackedFormat,
     PackedLinear4,
     PackedLinear8,
     PackedLinear8Grouped,
     dequantize_rows,
     pack_codes,
-    packed_embedding,
     unpack_codes,
 )
+from compress.packed_modules import PackedEmbedding4, PackedEmbedding8, packed_embedding
 
 
 @pytest.fixture

@@ -10,14 +10,7 @@ import pytest
 import torch
 
 from compress.grids import hqq, rtn
-from compress.packed import (
-    PackedEmbedding4,
-    PackedFormat,
-    PackedLinear4,
-    PackedLinear8,
-    Quantized,
-    packed_module,
-)
+from compress.packed import PackedFormat, PackedLinear4, PackedLinear8, Quantized
 from compress.packed_cuda import (
     TinygemmLinear4,
     inner_k_tiles,
@@ -25,6 +18,7 @@ from compress.packed_cuda import (
     tinygemm_layout,
     tinygemm_rows,
 )
+from compress.packed_modules import PackedEmbedding4, packed_module
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -124,7 +118,7 @@ def test_the_emulated_kernel_equals_the_dequantized_matmul(group: int, quantize)
 
 def _as_cuda_module(monkeypatch: pytest.MonkeyPatch) -> None:
     """`packed_module` as on a GPU that runs tinygemm, the kernel emulated on the CPU."""
-    monkeypatch.setattr("compress.packed.tinygemm_runs", lambda device: True)
+    monkeypatch.setattr("compress.packed_modules.tinygemm_runs", lambda device: True)
     monkeypatch.setattr("compress.packed_cuda.int4pack_mm", _tinygemm_emulated)
 
 
@@ -245,7 +239,7 @@ def test_int8_on_cuda_runs_the_kernel_for_decode_sized_calls(
 def test_a_gpu_without_tinygemm_keeps_the_dequantized_product(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("compress.packed.tinygemm_runs", lambda device: False)
+    monkeypatch.setattr("compress.packed_modules.tinygemm_runs", lambda device: False)
     qw = rtn(torch.randn(48, 256), PackedFormat(4, 64))
     module = packed_module(PackedFormat(4, 64), _on_cuda(qw), None, torch.float32)
     assert isinstance(module, PackedLinear4) and not module.kernel

@@ -15,13 +15,8 @@ from transformers import AutoTokenizer
 
 from compress.load_model import load_model
 from compress.load_spec import PACKED, read_load_spec
-from compress.packed import (
-    PackedEmbedding4,
-    PackedEmbedding8,
-    PackedLinear4,
-    PackedLinear8,
-    PackedLinear8Grouped,
-)
+from compress.packed import PackedLinear4, PackedLinear8, PackedLinear8Grouped
+from compress.packed_modules import PackedEmbedding4, PackedEmbedding8
 from compress.registry import StepError
 from evals.artifact_eval import memory_bytes
 from tests.serve.conftest import make_cases, reference_outputs

@@ -83,7 +83,8 @@ def test_gemma3_packed_int4_with_int8_embeddings_equals_generate(
     """The real model's packed variant (int4 linears, int8 embedding rows shared by the tied
     head): generate and the engine run the same modules and agree token for token."""
     from compress.load_model import load_model
-    from compress.packed import PackedEmbedding8, PackedLinear4
+    from compress.packed import PackedLinear4
+    from compress.packed_modules import PackedEmbedding8
     from workbench.pipeline import Pipeline
     from workbench.recipe import load_recipe
 
