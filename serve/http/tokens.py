@@ -12,7 +12,8 @@ from pydantic import Field
 
 from serve.core.sampling_params import GRAMMAR_KINDS
 from serve.http.chat import render_chat
-from serve.http.protocol import ChatMessage, Strict
+from serve.http.constraints import Strict
+from serve.http.protocol import ChatMessage
 from serve.http.serving import RequestError, encode, token_strings
 from serve.http.state import Server
 
