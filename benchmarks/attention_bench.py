@@ -30,15 +30,11 @@ from collections.abc import Callable
 
 import torch
 
-from serve.model.attention import (
-    DECODE_GROUP_SIZE,
-    AttentionMetadata,
-    ReferenceBackend,
-    SDPABackend,
-)
+from serve.model.attention import AttentionMetadata
 from serve.model.cpu_attention import PagedCPUBackend
 from serve.model.flex_attention import FlexAttentionBackend
 from serve.model.padded_attention import PaddedSDPABackend
+from serve.model.sdpa_attention import DECODE_GROUP_SIZE, ReferenceBackend, SDPABackend
 from serve.model.step_inputs import decode_groups
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 8

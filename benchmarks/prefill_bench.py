@@ -22,21 +22,21 @@ import torch.nn.functional as F
 from serve.core.config import SchedulerConfig
 from serve.core.sampling_params import SamplingParams
 from serve.engine.llm import LLM
-from serve.model import attention
+from serve.model import attention, sdpa_attention
 
 
-class ThreeDPrefill(attention.SDPABackend):
+class ThreeDPrefill(sdpa_attention.SDPABackend):
     """The baseline: prefill chunks passed to SDPA as [heads, n, head_dim]."""
 
     def attend(self, q, k_cache, v_cache, meta, scale, window=None):
         assert window is None, "the 3-D prefill baseline has no sliding window"
         out = super().attend(q, k_cache, v_cache, _decodes_only(meta), scale)
         for s in meta.prefills:
-            k = attention._gather(k_cache, s.block_ids, s.seq_len).transpose(0, 1)
-            v = attention._gather(v_cache, s.block_ids, s.seq_len).transpose(0, 1)
+            k = sdpa_attention.gather(k_cache, s.block_ids, s.seq_len).transpose(0, 1)
+            v = sdpa_attention.gather(v_cache, s.block_ids, s.seq_len).transpose(0, 1)
             qp = q[s.start : s.end].transpose(0, 1)
             n = s.end - s.start
-            mask = None if n == s.seq_len else attention._causal_mask(n, s.seq_len, q.device)
+            mask = None if n == s.seq_len else sdpa_attention._causal_mask(n, s.seq_len, q.device)
             o = F.scaled_dot_product_attention(
                 qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
             )
@@ -48,7 +48,7 @@ def _decodes_only(meta: attention.AttentionMetadata) -> attention.AttentionMetad
     return dataclasses.replace(meta, prefills=[])
 
 
-def prefill_seconds(llm: LLM, backend: attention.SDPABackend, tokens: int) -> float:
+def prefill_seconds(llm: LLM, backend: sdpa_attention.SDPABackend, tokens: int) -> float:
     llm.engine.runner.backend = backend
     prompt = [[(i * 7919) % 4000 + 10 for i in range(tokens)]]
     start = time.perf_counter()
@@ -76,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
             enable_prefix_caching=False,
         ),
     )
-    systems = {"engine (4-D SDPA)": attention.SDPABackend(), "baseline (3-D SDPA)": ThreeDPrefill()}
+    systems = {
+        "engine (4-D SDPA)": sdpa_attention.SDPABackend(),
+        "baseline (3-D SDPA)": ThreeDPrefill(),
+    }
     times: dict[str, list[float]] = {name: [] for name in systems}
     with torch.inference_mode():
         for r in range(args.rounds + 1):

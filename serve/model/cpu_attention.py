@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
-from serve.model.attention import AttentionMetadata, DecodeGroup, SDPABackend
+from serve.model.attention import AttentionMetadata, DecodeGroup
 from serve.model.kv_cache import Int8KV, KVTensor
 from serve.model.native import KERNELS, NEEDS_COMPILER, load_library
+from serve.model.sdpa_attention import SDPABackend
 
 log = logging.getLogger(__name__)
 

@@ -46,10 +46,11 @@ from typing import Any, Literal
 
 import torch
 
-from serve.model.attention import AttentionBackend, AttentionMetadata, _gather_batch
+from serve.model.attention import AttentionBackend, AttentionMetadata
 from serve.model.kv_cache import Int8KV, KVTensor
 from serve.model.padded_attention import PaddedSDPABackend
 from serve.model.query_batches import PerForward, QueryBatch, step_batches, visible
+from serve.model.sdpa_attention import gather_batch
 
 Layout = Literal["paged", "gathered"]
 Q_BLOCK = 16
@@ -346,7 +347,7 @@ class FlexAttentionBackend:
         """[1 or B, kv_heads, keys, head_dim] K and V in the batch's layout."""
         if fb.layout == "gathered":
             tables = fb.batch.block_tables
-            return _gather_batch(k_cache, tables), _gather_batch(v_cache, tables)
+            return gather_batch(k_cache, tables), gather_batch(v_cache, tables)
         assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
         flat = (1, -1, *k_cache.shape[2:])
         return k_cache.view(flat).transpose(1, 2), v_cache.view(flat).transpose(1, 2)

@@ -30,19 +30,14 @@ from serve.core.scheduler import SchedulerOutput
 from serve.lora.layers import StepSlots, lora_step_context
 from serve.lora.manager import AdapterManager, LoraConfig
 from serve.model import cpu_attention
-from serve.model.attention import (
-    ATTENTION_NAME,
-    AttentionBackend,
-    ReferenceBackend,
-    SDPABackend,
-    step_context,
-)
+from serve.model.attention import ATTENTION_NAME, AttentionBackend, step_context
 from serve.model.compilation import CompiledForward, CompileReport, warm_up
 from serve.model.flex_attention import cuda_backend
 from serve.model.graph_runner import GraphedDecodes
 from serve.model.graphs import CUDAGraphBackend, GraphBackend, why_not_graphable
 from serve.model.input_buffers import BufferLimits, StepBuffers
 from serve.model.kv_cache import KVLayout, allocate, layer_key_smoothing
+from serve.model.sdpa_attention import ReferenceBackend, SDPABackend
 from serve.model.step_inputs import StepInputs, build_step_inputs
 
 log = logging.getLogger(__name__)

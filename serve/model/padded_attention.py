@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from serve.model.attention import AttentionMetadata, _gather_batch
+from serve.model.attention import AttentionMetadata
 from serve.model.kv_cache import KVTensor
 from serve.model.query_batches import PerForward, QueryBatch, step_batches, visible
+from serve.model.sdpa_attention import gather_batch
 
 
 def padded_mask(batch: QueryBatch, num_keys: int, window: int | None) -> torch.Tensor:
@@ -42,8 +43,8 @@ def attend_padded(
     window: int | None,
 ) -> torch.Tensor:
     """One batch's queries of q [T, heads, head_dim] -> [B, heads, max_query_len, head_dim]."""
-    k = _gather_batch(k_cache, batch.block_tables)
-    v = _gather_batch(v_cache, batch.block_tables)
+    k = gather_batch(k_cache, batch.block_tables)
+    v = gather_batch(v_cache, batch.block_tables)
     mask = padded_mask(batch, k.shape[2], window)
     return F.scaled_dot_product_attention(
         batch.gather_queries(q), k, v, attn_mask=mask, scale=scale, enable_gqa=True

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from serve.core.scheduler import ScheduledChunk, SchedulerOutput
-from serve.model.attention import AttentionBackend, AttentionMetadata, ReferenceBackend
+from serve.model.attention import AttentionBackend, AttentionMetadata
 from serve.model.input_buffers import BufferLimits, StepBuffers
 from serve.model.kv_cache import KVLayout, KVTensor, allocate, write_slots
+from serve.model.sdpa_attention import ReferenceBackend
 from serve.model.step_inputs import build_step_inputs
 
 

@@ -12,7 +12,8 @@ import torch
 from serve.core.config import CacheConfig, ModelConfig
 from serve.engine.llm_engine import LLMEngine
 from serve.model import cpu_attention
-from serve.model.attention import AttentionMetadata, DecodeGroup, ReferenceBackend
+from serve.model.attention import AttentionMetadata, DecodeGroup
+from serve.model.sdpa_attention import ReferenceBackend
 from serve.model.step_inputs import decode_groups
 from tests.serve.conftest import needs_c_compiler
 
@@ -83,7 +84,8 @@ def test_sliding_window_decode_kernel_equals_the_reference(window: int, lens: li
 
 def test_sliding_window_in_sdpa_equals_the_reference_for_prefill_chunks_and_decodes() -> None:
     """Chunks that start inside, at and past the window; decodes shorter and longer than it."""
-    from serve.model.attention import SDPABackend, SequenceSlice
+    from serve.model.attention import SequenceSlice
+    from serve.model.sdpa_attention import SDPABackend
 
     torch.manual_seed(0)
     window, block_size = 12, 4
@@ -112,7 +114,8 @@ def test_sliding_window_in_sdpa_equals_the_reference_for_prefill_chunks_and_deco
 def test_decode_rows_anywhere_in_the_step_equal_the_reference(layout: str, backend: str) -> None:
     """Decode groups read as a slice of the batch (rows consecutive: the whole batch, or after a
     prefill) or gathered (rows around a prefill) give the reference's outputs."""
-    from serve.model.attention import SDPABackend, SequenceSlice
+    from serve.model.attention import SequenceSlice
+    from serve.model.sdpa_attention import SDPABackend
 
     if backend == "paged-cpu" and cpu_attention.load_kernel() is None:
         pytest.skip("no C compiler")

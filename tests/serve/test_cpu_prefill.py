@@ -15,12 +15,8 @@ import pytest
 import torch
 
 from serve.model import cpu_attention
-from serve.model.attention import (
-    AttentionMetadata,
-    ReferenceBackend,
-    SDPABackend,
-    SequenceSlice,
-)
+from serve.model.attention import AttentionMetadata, SequenceSlice
+from serve.model.sdpa_attention import ReferenceBackend, SDPABackend
 from serve.model.step_inputs import decode_groups
 from tests.serve.conftest import needs_c_compiler
 from tests.serve.test_cpu_attention import scattered_caches

@@ -13,8 +13,9 @@ import torch
 from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.model import cpu_attention
-from serve.model.attention import AttentionMetadata, ReferenceBackend, SDPABackend, SequenceSlice
+from serve.model.attention import AttentionMetadata, SequenceSlice
 from serve.model.kv_cache import Int8KV, quantize_int8, write_slots
+from serve.model.sdpa_attention import ReferenceBackend, SDPABackend
 from serve.model.step_inputs import decode_groups
 from tests.serve.conftest import PAGED_CPU, Case, needs_c_compiler
 from tests.serve.test_cpu_attention import DECOMPOSITIONS, scattered_decode
