@@ -6,8 +6,9 @@ and the lock goes with a killed driver) and writes `<work dir>/run-lease.json` (
 heartbeat) every `HEARTBEAT_S`. A driver on another machine, where flock may not reach, refuses a
 lease whose heartbeat is fresh and takes over one that is stale (a driver that died: its tasks
 died with it). With storage at a URL (`workbench.remote_store`) the lease file is written there
-too (flock covers the drivers of the mirror's machine). Tasks never take the lease: they are idempotent (an artifact is committed whole or
-not at all), so a rerun of the driver resumes by skipping every committed hash.
+too (flock covers the drivers of the mirror's machine). Tasks never take the lease: they are
+idempotent (an artifact is committed whole or not at all), so a rerun of the driver resumes by
+skipping every committed hash.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from compress.locking import file_lock
+from workbench.storage import read_text, remove, write_text
 
 LEASE = "run-lease.json"
 HEARTBEAT_S = 5.0
@@ -59,52 +61,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class LeaseFile:
-    """The lease's file: `<work dir>/run-lease.json`, or `<url>/run-lease.json` (fsspec)."""
-
-    def __init__(self, work_dir: Path, url: str | None = None) -> None:
-        self.work_dir, self.url = work_dir, url
-
-    def read(self) -> str:
-        if self.url is None:
-            return (self.work_dir / LEASE).read_text()
-        import fsspec
-
-        with fsspec.open(f"{self.url}/{LEASE}", "r") as f:
-            return str(f.read())
-
-    def write(self, text: str) -> None:
-        if self.url is None:
-            tmp = self.work_dir / f".{LEASE}.tmp-{os.getpid()}"
-            tmp.write_text(text)
-            tmp.replace(self.work_dir / LEASE)
-            return
-        import fsspec
-
-        with fsspec.open(f"{self.url}/{LEASE}", "w") as f:
-            f.write(text)
-
-    def remove(self) -> None:
-        if self.url is None:
-            (self.work_dir / LEASE).unlink(missing_ok=True)
-            return
-        import fsspec
-
-        fs, path = fsspec.core.url_to_fs(f"{self.url}/{LEASE}")
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(path)
+def _lease_file(work_dir: Path, url: str | None) -> str:
+    """The lease's file: `<work dir>/run-lease.json`, or `<url>/run-lease.json`."""
+    return f"{url}/{LEASE}" if url else str(work_dir / LEASE)
 
 
-def read_lease(where: Path | LeaseFile) -> Lease | None:
-    file = where if isinstance(where, LeaseFile) else LeaseFile(where)
+def read_lease(work_dir: Path, url: str | None = None) -> Lease | None:
     try:
-        return Lease(**json.loads(file.read()))
+        return Lease(**json.loads(read_text(_lease_file(work_dir, url))))
     except (FileNotFoundError, json.JSONDecodeError, TypeError):
         return None
-
-
-def _write(file: LeaseFile, lease: Lease) -> None:
-    file.write(json.dumps(asdict(lease)))
 
 
 @contextlib.contextmanager
@@ -112,32 +78,34 @@ def driver_lease(work_dir: Path, url: str | None = None) -> Iterator[Lease]:
     """Hold the work dir (and the storage `url` it mirrors) for this process's run; LeaseError
     when another live driver has it."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    file = LeaseFile(work_dir, url)
+    file = _lease_file(work_dir, url)
     with file_lock(work_dir / ".lock"):
-        held = read_lease(file)
+        held = read_lease(work_dir, url)
         if held is not None and held.pid != os.getpid() and held.alive(time.time()):
             raise LeaseError(
-                f"{url or work_dir}: run {held.run_id} of the driver {held.host}:{held.pid} holds this "
-                f"work dir (heartbeat {time.time() - held.heartbeat:.0f} s ago); wait for it to "
-                f"finish or stop it (a dead driver's lease lapses after {STALE_AFTER_S:.0f} s)"
+                f"{url or work_dir}: run {held.run_id} of the driver {held.host}:{held.pid} "
+                f"holds this work dir (heartbeat {time.time() - held.heartbeat:.0f} s ago); wait "
+                f"for it to finish or stop it (a dead driver's lease lapses after "
+                f"{STALE_AFTER_S:.0f} s)"
             )
         lease = Lease(uuid.uuid4().hex[:12], socket.gethostname(), os.getpid(), time.time())
-        _write(file, lease)
+        write_text(file, json.dumps(asdict(lease)))
         stop = threading.Event()
-        beat = threading.Thread(target=_beat, args=(file, lease, stop), daemon=True)
+        beat = threading.Thread(target=_beat, args=(work_dir, url, lease, stop), daemon=True)
         beat.start()
         try:
             yield lease
         finally:
             stop.set()
             beat.join()
-            file.remove()
+            remove(file)
 
 
-def _beat(file: LeaseFile, lease: Lease, stop: threading.Event) -> None:
+def _beat(work_dir: Path, url: str | None, lease: Lease, stop: threading.Event) -> None:
     while not stop.wait(HEARTBEAT_S):
-        current = read_lease(file)
+        current = read_lease(work_dir, url)
         if current is not None and current.run_id != lease.run_id:
             return  # taken over (this driver was thought dead): the other run owns it now
+        beat = Lease(lease.run_id, lease.host, lease.pid, time.time())
         with contextlib.suppress(Exception):  # a storage hiccup: the next beat tries again
-            _write(file, Lease(lease.run_id, lease.host, lease.pid, time.time()))
+            write_text(_lease_file(work_dir, url), json.dumps(asdict(beat)))

@@ -205,10 +205,10 @@ class Pipeline:
         expected = node.deps[0] if node.kind == "mirror" else node.key
         path, problems = self.work_dir / node.out, list[str]()
         if self.store is not None:  # committed at the URL: a task that reads it pulls it
-            found = None if self.force else self.store.manifest(node.out)
-            if found is None or found.get("hash") != expected:
+            committed = None if self.force else self.store.committed(node.out)
+            if committed is None or committed[1].get("hash") != expected:
                 return None
-            digest = hashlib.sha256(self.store.manifest_bytes(node.out) or b"").hexdigest()
+            digest = hashlib.sha256(committed[0]).hexdigest()
             return ArtifactRef(expected, str(path), digest, "reused")
         if self.force or _reusable(path, expected, problems) is None:
             if problems:

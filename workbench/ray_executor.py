@@ -103,23 +103,30 @@ def _probe(path: str, token: str) -> str:
     return seen
 
 
-def check_shared(work_dir: Path) -> None:
-    """Every node of the cluster sees the file this driver writes into `work_dir` and can
-    write there; else StorageError naming the nodes that cannot."""
+def _on_every_node(function: Any, *args: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The cluster's alive nodes, and for each the ref of `function(*args)` run there (no CPU
+    held, no retry)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    task = ray.remote(num_cpus=0, max_retries=0)(function)
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    refs = [
+        task.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+        ).remote(*args)
+        for n in nodes
+    ]
+    return nodes, refs
+
+
+def check_shared(work_dir: Path) -> None:
+    """Every node of the cluster sees the file this driver writes into `work_dir` and can
+    write there; else StorageError naming the nodes that cannot."""
     check_writable(work_dir)
     token = uuid.uuid4().hex[:12]
     (work_dir / f".probe-{token}").write_text(token)
-    probe = ray.remote(num_cpus=0, max_retries=0)(_probe)
-    nodes = [n for n in ray.nodes() if n["Alive"]]
-    refs = [
-        probe.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
-        ).remote(str(work_dir), token)
-        for n in nodes
-    ]
+    nodes, refs = _on_every_node(_probe, str(work_dir), token)
     try:
         seen = [_probed(ref, token) for ref in refs]
     finally:
@@ -158,19 +165,9 @@ def _reach(store: RemoteStore) -> str:
 
 def check_reachable(store: RemoteStore) -> None:
     """Every node of the cluster can write the store's URL and make the mirror; else
-    StorageError naming the nodes that cannot and why."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    store.check()
-    reach = ray.remote(num_cpus=0, max_retries=0)(_reach)
-    nodes = [n for n in ray.nodes() if n["Alive"]]
-    refs = [
-        reach.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
-        ).remote(store)
-        for n in nodes
-    ]
+    StorageError naming the nodes that cannot and why (the driver checked it already:
+    `RemoteStore.at`)."""
+    nodes, refs = _on_every_node(_reach, store)
     problems = [
         f"{n['NodeManagerAddress']}: {why}"
         for n, ref in zip(nodes, refs)

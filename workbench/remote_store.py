@@ -34,11 +34,6 @@ EVALS = "evals"
 BACKENDS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 
 
-def is_url(value: str | Path) -> bool:
-    """A storage URL other than a path or `file://`."""
-    return isinstance(value, str) and urlparse(value).scheme not in ("", "file")
-
-
 def mirror_dir(url: str) -> str:
     root = Path(os.environ.get(MIRROR_ENV) or Path(tempfile.gettempdir()) / "workbench-storage")
     return str(root / hashlib.sha256(url.encode()).hexdigest()[:16])
@@ -103,23 +98,24 @@ class RemoteStore:
         except FileNotFoundError:
             return None
 
-    def manifest(self, rel: str) -> dict[str, Any] | None:
-        """The committed manifest of the artifact dir `rel` at the URL, or None."""
-        found = self.manifest_bytes(rel)
+    def committed(self, rel: str) -> tuple[bytes, dict[str, Any]] | None:
+        """The manifest of the artifact dir `rel` at the URL, as written and parsed; None when
+        there is none (or it is no JSON object)."""
+        raw = self.manifest_bytes(rel)
         try:
-            return dict(json.loads(found)) if found is not None else None
+            found = json.loads(raw) if raw is not None else None
         except json.JSONDecodeError:
             return None
+        return (raw, found) if raw is not None and isinstance(found, dict) else None
 
     def pull(self, rel: str) -> bool:
         """The artifact dir `rel` into the mirror when the URL has it committed (a verified copy
         there already is kept); whether it is there now. StorageError when the committed files
         do not match their manifest."""
         local = Path(self.local) / rel
-        raw = self.manifest_bytes(rel)
-        found = self.manifest(rel) if raw is not None else None
-        if raw is None or found is None:
+        if (committed := self.committed(rel)) is None:
             return False
+        raw, found = committed
         if _same_bytes(local / MANIFEST, raw) and verify_files(local, found.get("files")) is None:
             return True
         fs, root = self.fs()

@@ -23,9 +23,9 @@ from workbench.distributed import is_main
 from workbench.executor import Executor, LocalExecutor, describe
 from workbench.pipeline import Pipeline
 from workbench.recipe import Recipe, RecipeError, load_recipe
-from workbench.remote_store import RemoteStore, is_url
+from workbench.remote_store import RemoteStore
 from workbench.run_tasks import Measured
-from workbench.storage import check_writable
+from workbench.storage import check_writable, is_url
 from workbench.task_graph import TaskGraph
 
 
@@ -64,8 +64,9 @@ def run(
     executor: Executor | None = None,
 ) -> RunResult:
     """Build (or reuse) the recipe's variants in `work_dir` (default: the recipe's `storage:`,
-    else `runs/<recipe name>`; an fsspec URL: `workbench.remote_store`), measure them and write the report to `report_dir` (default: the
-    recipe's `report.output_dir`, else `reports/<recipe name>`). `variants` limits the run to
+    else `runs/<recipe name>`; an fsspec URL: `workbench.remote_store`), measure them and write
+    the report to `report_dir` (default: the recipe's `report.output_dir`, else
+    `reports/<recipe name>`). `variants` limits the run to
     those names; `force` rebuilds and measures again; `executor` runs the tasks (default: this
     process, one after another). Raises `RecipeError` / `PipelineError` (and the executor's
     own errors, e.g. an unreachable cluster) before anything is built."""

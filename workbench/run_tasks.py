@@ -94,13 +94,15 @@ class RunTasks:
         for ref in inputs.values():
             if isinstance(ref, ArtifactRef) and not store.pull(store.rel(ref.path)):
                 raise FileNotFoundError(f"{store.url}/{store.rel(ref.path)}: not committed there")
-        if node.out is not None and not self.spec.force:
-            store.pull(node.out)  # committed by an earlier attempt: the builder reuses it
-        store.pull_evals()
+        if node.out is not None:  # a build or mirror: its artifact
+            if not self.spec.force:
+                store.pull(node.out)  # committed by an earlier attempt: the builder reuses it
+            result = self._run(node, inputs)
+            store.push(node.out)
+            return result
+        store.pull_evals()  # a measurement: the stored results it may reuse, and its own
         before = store.evals_snapshot()
         result = self._run(node, inputs)
-        if node.out is not None:
-            store.push(node.out)
         store.push_evals(before)
         return result
 

@@ -11,6 +11,7 @@ writes its own temporary dir, and the later rename replaces one complete artifac
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -26,13 +27,57 @@ class StorageError(ValueError):
     """The work dir cannot serve as the run's storage."""
 
 
+def is_url(value: str | Path) -> bool:
+    """A storage URL other than a path or `file://` (fsspec storage: `workbench.remote_store`)."""
+    return isinstance(value, str) and urlparse(value).scheme not in ("", "file")
+
+
 def storage_path(value: str) -> Path | str:
-    """A path or a `file://` URL as an absolute path; any other URL as it is (fsspec storage:
-    `workbench.remote_store`)."""
+    """A path or a `file://` URL as an absolute path; any other URL as it is."""
+    if is_url(value):
+        return value
     parsed = urlparse(value)
-    if parsed.scheme in ("", "file"):
-        return Path(parsed.path if parsed.scheme else value).expanduser().absolute()
-    return value
+    return Path(parsed.path if parsed.scheme else value).expanduser().absolute()
+
+
+def read_text(where: str) -> str:
+    """The small file at `where` (a path or an fsspec URL); FileNotFoundError when absent."""
+    if not is_url(where):
+        return Path(where).read_text()
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(where)
+    return bytes(fs.cat_file(path)).decode()
+
+
+def write_text(where: str, text: str) -> None:
+    """`text` as the file at `where`, whole: a path is replaced atomically (a temporary file
+    beside it renamed over it); an object store publishes a put at once."""
+    if not is_url(where):
+        file = Path(where)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(file)
+        return
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(where)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, text.encode())
+
+
+def remove(where: str) -> None:
+    """The file or dir at `where` gone, with everything in it; nothing when it is absent."""
+    if not is_url(where):
+        shutil.rmtree(where, ignore_errors=True)
+        Path(where).unlink(missing_ok=True)
+        return
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(where)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
 
 
 def check_writable(work_dir: Path) -> None:
