@@ -22,7 +22,7 @@ import torch
 
 from serve import LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
-from serve.lora.manager import LoraConfig
+from serve.lora.registry import LoraConfig
 
 TARGETS = {
     "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -78,16 +78,16 @@ def step_times(
     engine.step()  # prefill
     ready: list = []
     reader = None
-    assert engine.adapters is not None, "a LoRA engine"
-    adapters = engine.adapters
+    registry, slots = engine.adapters, engine.runner.lora_slots
+    assert registry is not None and slots is not None, "a LoRA engine"
     if burst:
-        reader = threading.Thread(target=lambda: ready.extend(adapters.read(p) for p in burst))
+        reader = threading.Thread(target=lambda: ready.extend(slots.read(p) for p in burst))
         reader.start()
     times, loaded = [], 0
     while engine.has_unfinished_requests():
         start = time.perf_counter()
         while loaded < len(ready):
-            engine.register_lora(f"burst{loaded}", ready[loaded])
+            registry.register(f"burst{loaded}", ready[loaded])
             loaded += 1
         engine.step()
         times.append(time.perf_counter() - start)

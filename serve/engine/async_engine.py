@@ -8,10 +8,10 @@ a client that goes away has its request aborted (and its blocks freed) before th
 A constrained request's grammar is compiled before it is queued, in the grammar worker (a thread
 beside the step loop, with a time bound): the engine only makes its matcher.
 
-A collector holds at most one unread output: deltas (streams) are merged into it, a final output
-replaces it. A reader that falls more than `max_unread_tokens` behind (a client that stopped
-reading its stream) has its request aborted, counted with finish reason `slow_reader`: what one
-request can hold on the server is bounded whatever its client does.
+Each request's outputs wait in its `OutputCollector` (`output_collector.py`). A reader that
+falls more than `max_unread_tokens` behind (a client that stopped reading its stream) has its
+request aborted, counted with finish reason `slow_reader`: what one request can hold on the
+server is bounded whatever its client does.
 
 A failed step (`StepFailed`) fails only the requests it scheduled; the loop goes on. After
 `UNHEALTHY_AFTER` failed steps in a row the engine reports itself unhealthy (until a step
@@ -29,14 +29,21 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from serve.core.sampling_params import Grammar, OutputKind, SamplingParams
+from serve.core.sampling_params import Grammar, SamplingParams
 from serve.core.stats import EngineStats
 from serve.engine.llm_engine import InvalidRequest, LLMEngine, RequestOutput, StepFailed
 from serve.engine.metrics import ServerMetrics
+from serve.engine.output_collector import (
+    EngineDeadError,
+    OutputCollector,
+    ReaderTooSlow,
+    RequestFailed,
+    Tracked,
+    UnknownAdapter,
+)
 from serve.lora.adapter import Adapter
 from serve.model.grammar import GrammarError, Prepared
 from serve.model.openmp_pool import release_thread_pool
@@ -45,73 +52,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 UNHEALTHY_AFTER = 3
 """Failed steps in a row after which /health reports the engine as not serving."""
-
-
-class UnknownAdapter(LookupError):
-    """A request names an adapter that is not loaded."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed; the server answers 500 and must be restarted."""
-
-
-class RequestFailed(RuntimeError):
-    """The step computing this request failed; the request is ended, the engine serves on."""
-
-
-class ReaderTooSlow(RuntimeError):
-    """The client fell too far behind its stream; the request was aborted."""
-
-
-class OutputCollector:
-    """The outputs of one request not read yet, kept as one (vLLM's output collector)."""
-
-    def __init__(self, kind: OutputKind) -> None:
-        self.kind = kind
-        self.item: RequestOutput | BaseException | None = None
-        self.ready = asyncio.Event()
-
-    def fail(self, error: BaseException) -> None:
-        """Drop the unread output: the reader gets `error` next."""
-        self.item = None
-        self.put(error)
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Merge a delta into the unread one, else replace it; an error is never replaced."""
-        held = self.item
-        if isinstance(held, BaseException):
-            return
-        if held is not None and isinstance(item, RequestOutput) and self.kind is OutputKind.DELTA:
-            item = held.merge(item)
-        self.item = item
-        self.ready.set()
-
-    @property
-    def unread_tokens(self) -> int:
-        held = self.item
-        return len(held.token_ids) if isinstance(held, RequestOutput) else 0
-
-    async def get(self) -> RequestOutput:
-        await self.ready.wait()
-        item, self.item = self.item, None
-        self.ready.clear()
-        if isinstance(item, BaseException):
-            raise item
-        assert item is not None
-        return item
-
-
-@dataclass
-class Tracked:
-    """One request as the server sees it: its unread output and timing."""
-
-    request_id: str
-    collector: OutputCollector
-    arrival: float
-    num_prompt_tokens: int
-    last_token_at: float | None = None
-    num_tokens: int = 0
-    finished: bool = False
 
 
 class AsyncEngine:
@@ -191,7 +131,8 @@ class AsyncEngine:
         def add(prepared: Prepared | None) -> None:
             version = None
             if adapter is not None:
-                version = self.engine.resolve_lora(adapter)
+                registry = self.engine.adapters
+                version = registry.resolve(adapter) if registry is not None else None
                 if version is None:
                     raise UnknownAdapter(adapter)
                 self._snapshot_adapters()  # its least-recently-used order
@@ -230,8 +171,8 @@ class AsyncEngine:
     ) -> tuple[int, list[str]]:
         """Read (and check) the adapter off the engine thread, then register it between two
         steps; returns its version and the names evicted to make room."""
-        manager = self.engine.adapters
-        if manager is None:
+        registry, slots = self.engine.adapters, self.engine.runner.lora_slots
+        if registry is None or slots is None:
             raise InvalidRequest(
                 "LoRA serving is off; start the server with --max-loras N (or --lora)"
             )
@@ -239,17 +180,17 @@ class AsyncEngine:
 
         def read() -> Adapter:
             try:
-                return manager.read(path, root)
+                return slots.read(path, root)
             finally:  # its checks may have made OpenMP workers on this thread: one pool only
                 release_thread_pool()
 
         adapter = await asyncio.to_thread(read)
 
         def register() -> tuple[int, list[str]]:
-            before = set(manager.current)
-            version = self.engine.register_lora(name, adapter, evict)
+            before = set(registry.current)
+            version = registry.register(name, adapter, evict)
             self._snapshot_adapters()
-            return version, sorted(before - set(manager.current))
+            return version, sorted(before - set(registry.current))
 
         version, evicted = await self._call(register)
         for gone in evicted:
@@ -260,14 +201,14 @@ class AsyncEngine:
     async def unload_lora(self, name: str) -> int:
         """Unload `name`; `UnknownAdapter` when it is not loaded (decided on the engine thread,
         so of two racing unloads exactly one succeeds and the other gets 404)."""
-        manager = self.engine.adapters
-        if manager is None:
+        registry = self.engine.adapters
+        if registry is None:
             raise UnknownAdapter(name)
 
         def unload() -> int:
-            if name not in manager.current:
+            if name not in registry.current:
                 raise UnknownAdapter(name)
-            version = self.engine.unload_lora(name)
+            version = registry.unload(name)
             self._snapshot_adapters()
             return version
 
@@ -278,8 +219,8 @@ class AsyncEngine:
 
     def _snapshot_adapters(self) -> None:
         """On the engine thread (or before it starts): copy the adapter table's names."""
-        manager = self.engine.adapters
-        self._adapter_names = tuple(manager.current) if manager else ()
+        registry = self.engine.adapters
+        self._adapter_names = tuple(registry.current) if registry else ()
 
     def adapter_names(self) -> list[str]:
         return list(self._adapter_names)

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.core.sampling_params import OutputKind, SamplingParams
 from serve.engine.llm_engine import InvalidRequest, LLMEngine, RequestOutput
-from serve.lora.manager import LoraConfig
+from serve.lora.registry import LoraConfig
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,10 @@ class LLM:
     def _adapter_id(self, name: str | None) -> int | None:
         if name is None:
             return None
-        version = self.engine.resolve_lora(name)
+        registry = self.engine.adapters
+        version = registry.resolve(name) if registry is not None else None
         if version is None:
-            manager = self.engine.adapters
-            loaded = ", ".join(manager.current) if manager else "none"
+            loaded = ", ".join(registry.current) if registry else "none"
             raise InvalidRequest(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})")
         return version
 

@@ -43,105 +43,66 @@ KV_FULL = 0.9
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
-        self.ttft = Histogram(
-            "workbench:time_to_first_token_seconds",
-            "Time to first token.",
-            labels,
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
+        self.model_name = model_name
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between two output tokens.")
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self.running = self._gauge("num_requests_running", "Requests computing.")
+        self.waiting = self._gauge("num_requests_waiting", "Requests queued.")
+        self.kv_usage = self._gauge("kv_cache_usage_perc", "Used KV blocks / all (0-1).")
+        self.blocks_free = self._gauge("kv_cache_free_blocks", "Free KV blocks.")
+        self.blocks_total = self._gauge("kv_cache_total_blocks", "All KV blocks.")
+        self.prefix_queries = self._counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
-        self.itl = Histogram(
-            "workbench:inter_token_latency_seconds",
-            "Time between two output tokens.",
-            labels,
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
+        self.prefix_hits = self._counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
-        self.e2e = Histogram(
-            "workbench:e2e_request_latency_seconds",
-            "Arrival to finish.",
-            labels,
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
-        )
-        self.running = Gauge(
-            "workbench:num_requests_running", "Requests computing.", labels, registry=r
-        )
-        self.waiting = Gauge(
-            "workbench:num_requests_waiting", "Requests queued.", labels, registry=r
-        )
-        self.kv_usage = Gauge(
-            "workbench:kv_cache_usage_perc", "Used KV blocks / all (0-1).", labels, registry=r
-        )
-        self.blocks_free = Gauge(
-            "workbench:kv_cache_free_blocks", "Free KV blocks.", labels, registry=r
-        )
-        self.blocks_total = Gauge(
-            "workbench:kv_cache_total_blocks", "All KV blocks.", labels, registry=r
-        )
-        self.prefix_queries = Counter(
-            "workbench:prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            labels,
-            registry=r,
-        )
-        self.prefix_hits = Counter(
-            "workbench:prefix_cache_hits",
-            "Prompt tokens found in the prefix cache.",
-            labels,
-            registry=r,
-        )
-        self.preemptions = Counter(
-            "workbench:num_preemptions", "Requests preempted.", labels, registry=r
-        )
-        self.kv_full_queued = Counter(
-            "workbench:kv_cache_full_queued_steps",
+        self.preemptions = self._counter("num_preemptions", "Requests preempted.")
+        self.kv_full_queued = self._counter(
+            "kv_cache_full_queued_steps",
             f"Engine steps that ended with requests waiting while the KV cache was at least "
             f"{KV_FULL:.0%} full (the load benchmark's saturation signal).",
-            labels,
-            registry=r,
         )
-        self.decode_paths = Counter(
-            "workbench:step_paths",
+        self.decode_paths = self._counter(
+            "step_paths",
             "Engine steps by path once decode graphs are captured: graph (replayed) or "
             "eager:<reason> (prefill, batch_size, lora).",
-            [*labels, "path"],
-            registry=r,
+            "path",
         )
-        self.prompt_tokens = Counter(
-            "workbench:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = self._counter("generation_tokens", "Generated tokens.")
+        self.finished = self._counter(
+            "request_success", "Finished requests by finish reason.", "finished_reason"
         )
-        self.generation_tokens = Counter(
-            "workbench:generation_tokens", "Generated tokens.", labels, registry=r
-        )
-        self.finished = Counter(
-            "workbench:request_success",
-            "Finished requests by finish reason.",
-            [*labels, "finished_reason"],
-            registry=r,
-        )
-        self.cache_info = Gauge(
-            "workbench:cache_config_info",
+        self.cache_info = self._gauge(
+            "cache_config_info",
             "KV cache layout (labels); value 1.",
-            ["model_name", "block_size", "num_blocks", "kv_bytes_per_token"],
-            registry=r,
+            "block_size",
+            "num_blocks",
+            "kv_bytes_per_token",
         )
-        self.lora_loaded = Gauge(
-            "workbench:lora_loaded_adapters", "Adapters loaded.", labels, registry=r
+        self.lora_loaded = self._gauge("lora_loaded_adapters", "Adapters loaded.")
+        self.lora_requests = self._counter("lora_requests", "Requests per adapter.", "adapter")
+        self.lora_load = self._histogram(
+            "lora_load_seconds", "Adapter load time (read + register)."
         )
-        self.lora_requests = Counter(
-            "workbench:lora_requests", "Requests per adapter.", [*labels, "adapter"], registry=r
-        )
-        self.lora_load = Histogram(
-            "workbench:lora_load_seconds",
-            "Adapter load time (read + register).",
-            labels,
-            registry=r,
+        self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0)
+
+    def _histogram(self, name: str, doc: str) -> Histogram:
+        return Histogram(
+            f"workbench:{name}",
+            doc,
+            ["model_name"],
+            registry=self.registry,
             buckets=_LATENCY_BUCKETS,
         )
-        self.model_name = model_name
-        self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0)
+
+    def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(f"workbench:{name}", doc, ["model_name", *labels], registry=self.registry)
+
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(f"workbench:{name}", doc, ["model_name", *labels], registry=self.registry)
 
     def describe_cache(self, block_size: int, num_blocks: int, bytes_per_token: int) -> None:
         labels = (self.model_name, str(block_size), str(num_blocks), str(bytes_per_token))

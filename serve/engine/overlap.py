@@ -24,10 +24,11 @@ import torch
 
 from serve.core.request import Request
 from serve.core.scheduler import Scheduler, SchedulerOutput
-from serve.model.sampler import Sampled, SampleInput, Sampler, select_rows
+from serve.model.sampler import Sampled, SampleInput, select_rows
 
 if TYPE_CHECKING:
-    from serve.engine.output_processor import RequestOutput
+    from serve.engine.core_output import CoreOutput
+    from serve.engine.step_sampling import StepSampling
     from serve.model.model_runner import ModelRunner
 
 StepResult = dict[str, Sampled]
@@ -35,21 +36,17 @@ StepResult = dict[str, Sampled]
 
 
 class SteppedEngine(Protocol):
-    """What the overlapped steps need of their engine (`serve.engine.llm_engine.LLMEngine`)."""
+    """What the overlapped steps need of their engine (`serve.engine.engine_core.EngineCore`)."""
 
     runner: ModelRunner
     scheduler: Scheduler
-    sampler: Sampler
+    sampling: StepSampling
     adapters: Any
     last_step_tokens: int
 
-    def step_sync(self) -> list[RequestOutput]: ...
+    def step_sync(self) -> list[CoreOutput]: ...
 
-    def land(self, out: SchedulerOutput, result: Future[StepResult]) -> list[RequestOutput]: ...
-
-    def sample_input(self, request: Request) -> SampleInput: ...
-
-    def wants_token(self, request_id: str) -> bool: ...
+    def land(self, out: SchedulerOutput, result: Future[StepResult]) -> list[CoreOutput]: ...
 
 
 def with_samples(out: SchedulerOutput, sampled: StepResult) -> SchedulerOutput:
@@ -78,7 +75,7 @@ class InFlight:
 
 
 class OverlappedSteps:
-    """One engine's steps with a step of lag (`LLMEngine.step` when async scheduling is on)."""
+    """One engine's steps with a step of lag (`EngineCore.step` when async scheduling is on)."""
 
     def __init__(self, engine: SteppedEngine) -> None:
         self.engine = engine
@@ -88,7 +85,7 @@ class OverlappedSteps:
         self.worker = ThreadPoolExecutor(1, "workbench-step", initializer=start)
         self.in_flight: InFlight | None = None
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[CoreOutput]:
         engine = self.engine
         if engine.adapters is not None or not all(
             map(overlappable, engine.scheduler.requests.values())
@@ -101,17 +98,17 @@ class OverlappedSteps:
         engine.last_step_tokens = out.num_tokens
         return engine.land(previous.out, previous.result) if previous else []
 
-    def drain(self) -> list[RequestOutput]:
+    def drain(self) -> list[CoreOutput]:
         """Apply the step in flight, if any; nothing is in flight afterwards."""
         previous, self.in_flight = self.in_flight, None
         return self.engine.land(previous.out, previous.result) if previous else []
 
     def _submit(self, out: SchedulerOutput, previous: InFlight | None) -> Future[StepResult]:
-        engine = self.engine
+        engine, sampling = self.engine, self.engine.sampling
         inputs = {
-            c.request_id: engine.sample_input(engine.scheduler.requests[c.request_id])
+            c.request_id: sampling.sample_input(engine.scheduler.requests[c.request_id])
             for c in out.chunks
-            if c.sample and engine.wants_token(c.request_id)
+            if c.sample and sampling.wants_token(c.request_id)
         }
         before = previous.result if previous else None
         return self.worker.submit(self._compute, out, inputs, before)
@@ -133,7 +130,7 @@ class OverlappedSteps:
         if not ids:
             return {}
         rows = select_rows(logits, [step_inputs.sample_rows[r] for r in ids])
-        sampled = self.engine.sampler.sample(rows, [inputs[r] for r in ids])
+        sampled = self.engine.sampling.sampler.sample(rows, [inputs[r] for r in ids])
         return dict(zip(ids, sampled))
 
     def close(self) -> None:

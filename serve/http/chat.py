@@ -11,8 +11,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from transformers import PreTrainedTokenizerBase
 
-from serve.engine.async_engine import AsyncEngine, Tracked
+from serve.engine.async_engine import AsyncEngine
 from serve.engine.llm_engine import RequestOutput
+from serve.engine.output_collector import Tracked
 from serve.http.protocol import ChatCompletionRequest, ChatMessage, new_id
 from serve.http.serving import (
     Job,

@@ -21,8 +21,7 @@ from serve.engine.metrics import ServerMetrics
 from serve.http.flags import add_config_flags, config_from_args, given, int_in
 from serve.http.server import ServerSettings, build_app
 from serve.http.state import read_chat_template
-from serve.lora.adapter import AdapterError
-from serve.lora.manager import LoraConfig
+from serve.lora.registry import AdapterError, LoraConfig
 
 API_KEY_ENV = "WORKBENCH_API_KEY"
 

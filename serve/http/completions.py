@@ -12,8 +12,9 @@ from fastapi import APIRouter, Request
 from transformers import PreTrainedTokenizerBase
 
 from serve.core.detokenizer import decode_text
-from serve.engine.async_engine import AsyncEngine, Tracked
+from serve.engine.async_engine import AsyncEngine
 from serve.engine.llm_engine import RequestOutput
+from serve.engine.output_collector import Tracked
 from serve.http.protocol import CompletionRequest, new_id
 from serve.http.serving import (
     Job,

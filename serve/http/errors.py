@@ -11,13 +11,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.engine.async_engine import EngineDeadError, RequestFailed, UnknownAdapter
 from serve.engine.llm_engine import InvalidRequest
+from serve.engine.output_collector import EngineDeadError, RequestFailed, UnknownAdapter
 from serve.http.middleware import error_response
 from serve.http.serving import ClientGone, RequestError
 from serve.http.state import Busy, model_not_found, server_state
-from serve.lora.adapter import AdapterError
-from serve.lora.manager import AdapterLimit
+from serve.lora.registry import AdapterError, AdapterLimit
 
 _SHORT = reprlib.Repr()
 """Echoes a bad value in bounded work and length (a 300,000-element list is not printed)."""

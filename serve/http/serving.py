@@ -21,8 +21,9 @@ from fastapi.responses import StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from serve.core.sampling_params import Grammar, SamplingParams
-from serve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed, Tracked
+from serve.engine.async_engine import AsyncEngine
 from serve.engine.llm_engine import RequestOutput
+from serve.engine.output_collector import EngineDeadError, RequestFailed, Tracked
 from serve.http.protocol import SamplingFields, error_body, now
 from serve.model.grammar_engines import GrammarError, route
 

@@ -28,14 +28,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from compress.artifact import MANIFEST, check_intact
+from serve.lora.registry import AdapterError
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be loaded; the message names the problem and the fix."""
 
 
 @dataclass(frozen=True)

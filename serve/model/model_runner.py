@@ -27,8 +27,10 @@ from serve.core.config import (
 )
 from serve.core.kv_cache_manager import cdiv
 from serve.core.scheduler import SchedulerOutput
+from serve.lora.adapter import Adapter
 from serve.lora.layers import StepSlots, lora_step_context
-from serve.lora.manager import AdapterManager, LoraConfig
+from serve.lora.registry import AdapterRegistry
+from serve.lora.slots import AdapterSlots
 from serve.model import cpu_attention
 from serve.model.attention import ATTENTION_NAME, AttentionBackend, step_context
 from serve.model.compilation import CompiledForward, CompileReport, warm_up
@@ -165,8 +167,8 @@ class RunnerOptions:
     """A `ModelConfig.attention_backend` name."""
     compile_model: bool = False
     """The step forward through `torch.compile` (`--compile`)."""
-    lora: LoraConfig | None = None
-    """Serve LoRA adapters (None: the base model only)."""
+    lora: AdapterRegistry[Adapter] | None = None
+    """Serve the registry's LoRA adapters (None: the base model only)."""
     cuda_graphs: bool = False
     """On CUDA, replay decode steps from captured graphs (`serve/model/graphs.py`)."""
 
@@ -199,7 +201,11 @@ class ModelRunner:
             buffer_limits(scheduler, cache, self.num_blocks), self.block_size, device
         )
         lora = options.lora
-        self.adapters = AdapterManager(model, lora, device, self.layout.dtype) if lora else None
+        self.lora_slots = (
+            AdapterSlots(model, lora.config, device, self.layout.dtype, lora.versions)
+            if lora
+            else None
+        )
         """The LoRA layers wrapped around the model's linears and their device slots."""
         self.graphs: GraphedDecodes | None = None
         """The captured decode graphs; None: every step runs eagerly."""
@@ -268,7 +274,7 @@ class ModelRunner:
             self.backend,
             backend,
             max_num_seqs,
-            lora=self.adapters is not None,
+            lora=self.lora_slots is not None,
         )
 
     @torch.inference_mode()
@@ -299,6 +305,6 @@ class ModelRunner:
         with torch.inference_mode():
             inputs = self.prepare(out)
             lora = None
-            if self.adapters is not None:
-                lora = self.adapters.prepare_step(inputs.adapter_rows, out.num_tokens)
+            if self.lora_slots is not None:
+                lora = self.lora_slots.prepare_step(inputs.adapter_rows, out.num_tokens)
         return inputs, self.forward(inputs, lora)

@@ -19,7 +19,7 @@ from serve.engine.async_engine import AsyncEngine
 from serve.engine.llm_engine import LLMEngine
 from serve.engine.metrics import ServerMetrics
 from serve.http.server import ServerSettings, build_app
-from serve.lora.manager import LoraConfig
+from serve.lora.registry import LoraConfig
 
 
 @dataclass

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from serve import LLMEngine
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
-from serve.lora.manager import LoraConfig
+from serve.lora.registry import LoraConfig
 from serve.model.compilation import WARM_UP_SHAPES, cxx_compiler, why_not_compilable
 from tests.serve.conftest import PAGED_CPU, Case
 from tests.serve.test_engine_exact import run

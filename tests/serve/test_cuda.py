@@ -23,7 +23,7 @@ from serve.core.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from serve.lora.manager import LoraConfig
+from serve.lora.registry import LoraConfig
 from serve.model.kv_cache import Int8KV
 from tests.serve.conftest import Case, generate_each, make_cases
 from tests.serve.server_util import start_thread_server

@@ -13,7 +13,7 @@ from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.http.cli import add_serve_arguments, lora_config
 from serve.http.flags import attribute_docs, config_from_args
 from serve.http.state import ServerSettings
-from serve.lora.manager import LoraConfig
+from serve.lora.registry import LoraConfig
 
 CONFIGS = (SchedulerConfig, CacheConfig, ModelConfig, LoraConfig, ServerSettings)
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from compress.artifact import MANIFEST
-from serve.lora.manager import LoraConfig
+from serve.lora.registry import LoraConfig
 from tests.serve.server_util import ThreadServer, start_thread_server
 from tests.serve.test_lora_engine import ADAPTERS, make_adapter
 from tests.serve.test_server import metrics

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve.lora.manager import LoraConfig
+from serve.lora.registry import LoraConfig
 from tests.serve.server_util import ThreadServer, start_thread_server, wait_engine_drained
 
 JSON = {"content-type": "application/json"}

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from serve import InvalidRequest, LLMEngine, SamplingParams
 from serve.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve.lora.adapter import AdapterError
-from serve.lora.manager import LoraConfig
+from serve.lora.registry import LoraConfig
 from tests.serve.conftest import Case, make_cases
 
 ADAPTERS = {
@@ -190,7 +190,7 @@ def test_reload_and_unload_between_steps(
     engine.add_request(
         "new", prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), adapter_id=v2
     )
-    engine.unload_lora("shop")
+    engine.adapters.unload("shop")
     assert engine.adapters.resolve("shop") is None and {v1, v2} <= set(engine.adapters.versions)
     done = {}
     while engine.has_unfinished_requests():
@@ -276,17 +276,18 @@ def test_batched_lora_rows_equal_the_per_adapter_loop() -> None:
     from torch import nn
 
     from serve.lora.layers import StepSlots, lora_step_context
-    from serve.lora.manager import AdapterManager
+    from serve.lora.slots import AdapterSlots
 
     torch.manual_seed(0)
     model = nn.Module()
     model.model = nn.Module()
     model.model.layers = nn.ModuleList([nn.ModuleDict({"proj": nn.Linear(12, 20)})])
-    manager = AdapterManager(
+    manager = AdapterSlots(
         model,
         LoraConfig(max_loras=3, max_lora_rank=4, max_cpu_loras=4),
         torch.device("cpu"),
         torch.float32,
+        {},
     )
     layer = manager.layers["model.layers.0.proj"]
     for slot, rank in ((1, 4), (2, 2)):

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from serve import SamplingParams
-from serve.lora.manager import LoraConfig
+from serve.lora.registry import LoraConfig
 from tests.serve.conftest import make_cases
 from tests.serve.server_util import ThreadServer, start_thread_server
 from tests.serve.test_lora_engine import ADAPTERS, lora_engine, make_adapter, narrow_base

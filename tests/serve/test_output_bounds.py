@@ -16,7 +16,7 @@ import pytest
 from serve import LLM, SamplingParams
 from serve.core.config import CacheConfig
 from serve.core.sampling_params import OutputKind
-from serve.engine.async_engine import ReaderTooSlow
+from serve.engine.output_collector import ReaderTooSlow
 from serve.http.middleware import MAX_CONTAINERS, json_containers
 from tests.serve.conftest import Case
 from tests.serve.server_util import start_thread_server

@@ -138,7 +138,7 @@ def test_qlora_adapter_on_quantized_base_in_a_mixed_batch(
 
     from peft import PeftModel
 
-    from serve.lora.manager import LoraConfig
+    from serve.lora.registry import LoraConfig
     from tests.serve.test_lora_engine import run_all, with_and_without
 
     adapter = quantized["qlora"]

@@ -18,7 +18,7 @@ from compress.training import TrainConfig, train
 from serve.core.config import ModelConfig
 from serve.engine.llm_engine import LLMEngine
 from serve.lora.adapter import AdapterError
-from serve.lora.manager import LoraConfig
+from serve.lora.registry import LoraConfig
 from workbench.cli import main
 from workbench.pipeline import Pipeline, PipelineError
 from workbench.recipe import load_recipe
