@@ -134,9 +134,21 @@ def main(argv: list[str] | None = None) -> int:
         candidates["flex"] = run
         mask_s, compile_s = setup["block_mask_s"], setup["compile_s"]
         print(f"flex: block mask {mask_s:.2f} s, compile + first call {compile_s:.1f} s")
+    _time(candidates, reference, args.rounds, device)
+    return 0
+
+
+def _time(
+    candidates: dict[str, Callable[[], torch.Tensor]],
+    reference: torch.Tensor,
+    rounds: int,
+    device: torch.device,
+) -> None:
+    """Each candidate checked against the reference once, then timed `rounds` times in turn;
+    medians as ratios to the first candidate."""
     times: dict[str, list[float]] = {name: [] for name in candidates}
     with torch.inference_mode():
-        for r in range(args.rounds + 1):
+        for r in range(rounds + 1):
             for name, run in candidates.items():
                 start = time.perf_counter()
                 out = run()
@@ -154,7 +166,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:>12}: {median * 1000:6.2f} ms per layer ({min(values) * 1000:.2f}-"
             f"{max(values) * 1000:.2f}), x{median / base:.2f} of {baseline}"
         )
-    return 0
 
 
 if __name__ == "__main__":

@@ -93,6 +93,9 @@ def run_batch(
     return per_token, lengths, steps, (sum(engine.timings.values()) - engine_seconds) / steps
 
 
+Batch = list[tuple[str, list[int], SamplingParams]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", type=Path, help="model dir (default: the tiny demo model)")
@@ -108,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
         CacheConfig(num_blocks=2048, block_size=16),
         SchedulerConfig(max_num_seqs=args.requests + args.constrained),
     )
-    clock = GrammarClock(engine)
     tok = engine.tokenizer
     free = [
         (
@@ -119,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.requests)
     ]
     grammar = Grammar("json_schema", json.dumps(SCHEMAS[args.schema]))
-    engine_name = route(grammar).engine
     constrained_prompts = [tok(f"Person {i} as JSON:").input_ids for i in range(args.constrained)]
     constrained = [
         (f"json-{i}", p, SamplingParams(max_tokens=200, temperature=0, grammar=grammar))
@@ -127,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     ]
     # warm-up: the grammar engine's tokenizer, kernels
     run_batch(engine, free[:1] + constrained[:1])
-    ratios: list[float] = []
-    step_ratios: list[float] = []
     # the twins' lengths: what the constrained requests reach (greedy: the same every round)
     _, lengths, _, _ = run_batch(engine, free + constrained)
     twins = [
@@ -139,38 +138,51 @@ def main(argv: list[str] | None = None) -> int:
         )
         for i, p in enumerate(constrained_prompts)
     ]
-    for r in range(args.rounds):
-        if r % 2:  # which batch runs first alternates round by round
-            without, _, _, step_without = run_batch(engine, free + twins)
-        clock.seconds = 0.0
-        counts = dict.fromkeys(engine.grammars.counts, 0)
-        engine.grammars.counts.update(counts)
-        with_grammar, lengths_now, steps, step_with = run_batch(engine, free + constrained)
-        grammar_s = clock.seconds
-        counts = dict(engine.grammars.counts)
-        if not r % 2:
-            without, _, _, step_without = run_batch(engine, free + twins)
-        a = statistics.mean(with_grammar[rid] for rid, _, _ in free)
-        b = statistics.mean(without[rid] for rid, _, _ in free)
-        ratios.append(a / b)
-        step_ratios.append(step_with / step_without)
-        print(
-            f"round {r + 1}: free requests {a * 1000:.2f} ms/token beside constrained ones, "
-            f"{b * 1000:.2f} beside unconstrained twins: {a / b:.3f}x; engine step "
-            f"{step_with * 1000:.3f} / {step_without * 1000:.3f} ms: "
-            f"{step_with / step_without:.3f}x; {engine_name} "
-            f"{grammar_s * 1000 / steps:.2f} ms per step ({steps} steps, "
-            f"{args.constrained} constrained requests, mean length "
-            f"{statistics.mean(lengths_now[c[0]] for c in constrained):.0f} tokens); masks "
-            f"computed {counts['masks']}, deferred {counts['deferred']} (rejected "
-            f"{counts['rejected']})"
-        )
+    clock, name = GrammarClock(engine), route(grammar).engine
+    rounds = [_round(engine, clock, free, constrained, twins, r, name) for r in range(args.rounds)]
+    ratios, step_ratios = [r for r, _ in rounds], [s for _, s in rounds]
     print(
         f"medians over {args.rounds} rounds: free requests {statistics.median(ratios):.3f}x "
         f"({min(ratios):.3f}-{max(ratios):.3f}), engine step {statistics.median(step_ratios):.3f}x "
         f"({min(step_ratios):.3f}-{max(step_ratios):.3f})"
     )
     return 0
+
+
+def _round(
+    engine: LLMEngine,
+    clock: GrammarClock,
+    free: Batch,
+    constrained: Batch,
+    twins: Batch,
+    r: int,
+    engine_name: str,
+) -> tuple[float, float]:
+    """One round: the free requests beside constrained ones and beside their unconstrained
+    twins (which runs first alternates); the per-token and per-step ratios."""
+    if r % 2:
+        without, _, _, step_without = run_batch(engine, free + twins)
+    clock.seconds = 0.0
+    engine.grammars.counts.update(dict.fromkeys(engine.grammars.counts, 0))
+    with_grammar, lengths_now, steps, step_with = run_batch(engine, free + constrained)
+    grammar_s = clock.seconds
+    counts = dict(engine.grammars.counts)
+    if not r % 2:
+        without, _, _, step_without = run_batch(engine, free + twins)
+    a = statistics.mean(with_grammar[rid] for rid, _, _ in free)
+    b = statistics.mean(without[rid] for rid, _, _ in free)
+    print(
+        f"round {r + 1}: free requests {a * 1000:.2f} ms/token beside constrained ones, "
+        f"{b * 1000:.2f} beside unconstrained twins: {a / b:.3f}x; engine step "
+        f"{step_with * 1000:.3f} / {step_without * 1000:.3f} ms: "
+        f"{step_with / step_without:.3f}x; {engine_name} "
+        f"{grammar_s * 1000 / steps:.2f} ms per step ({steps} steps, "
+        f"{len(constrained)} constrained requests, mean length "
+        f"{statistics.mean(lengths_now[c[0]] for c in constrained):.0f} tokens); masks "
+        f"computed {counts['masks']}, deferred {counts['deferred']} (rejected "
+        f"{counts['rejected']})"
+    )
+    return a / b, step_with / step_without
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import json
 import os
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 
 def _protocol_stream() -> TextIO:
@@ -49,10 +49,39 @@ def main() -> int:
     out = _protocol_stream()
 
     import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
-    options = {
+    options = _options(args)
+    llm = LLM(**options)
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    config = {
+        **options,
+        "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+    }
+    out.write(json.dumps({"ready": True, "version": vllm.__version__, "config": config}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        job = json.loads(line)
+        answer: dict[str, Any]
+        if "score" in job:
+            answer = _score(llm, job["score"])
+        else:
+            answer = _generate(
+                llm, job, profiled=bool(job.get("profile")) and bool(args.profile_dir)
+            )
+        out.write(json.dumps(answer) + "\n")
+    return 0
+
+
+def _options(args: argparse.Namespace) -> dict[str, object]:
+    """The `vllm.LLM` arguments the flags ask for."""
+    options: dict[str, object] = {
         "model": args.model,
         "dtype": args.dtype,
         "max_model_len": args.max_model_len,
@@ -72,55 +101,42 @@ def main() -> int:
             "torch_profiler_record_shapes": True,  # linears by input shape (op_profile)
             "torch_profiler_use_gzip": False,
         }
-    llm = LLM(**options)
-    config = {
-        **options,
-        "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
-        "max_num_batched_tokens": (
-            llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-        ),
-        "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
-        "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"),
-        "ld_preload": os.environ.get("LD_PRELOAD", ""),
-    }
-    out.write(json.dumps({"ready": True, "version": vllm.__version__, "config": config}) + "\n")
-    for line in sys.stdin:
-        if not line.strip():
-            break
-        job = json.loads(line)
-        if "score" in job:
-            out.write(json.dumps(_score(llm, job["score"])) + "\n")
-            continue
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-        want_logprobs = bool(job.get("logprobs"))
-        params = [
-            SamplingParams(
-                max_tokens=n,
-                min_tokens=n,
-                temperature=0.0,
-                ignore_eos=True,
-                logprobs=0 if want_logprobs else None,
-            )
-            for n in job["max_tokens"]
+    return options
+
+
+def _generate(llm: Any, job: dict[str, Any], profiled: bool) -> dict[str, object]:
+    """One batch of greedy generations of exactly `max_tokens` each: seconds and token ids
+    (and the chosen tokens' logprobs when asked)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    want_logprobs = bool(job.get("logprobs"))
+    params = [
+        SamplingParams(
+            max_tokens=n,
+            min_tokens=n,
+            temperature=0.0,
+            ignore_eos=True,
+            logprobs=0 if want_logprobs else None,
+        )
+        for n in job["max_tokens"]
+    ]
+    if profiled:
+        llm.start_profile()
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    if profiled:
+        llm.stop_profile()
+    outputs = [list(r.outputs[0].token_ids) for r in results]
+    answer: dict[str, object] = {"seconds": seconds, "outputs": outputs}
+    if want_logprobs:  # the chosen token's logprob at each step
+        answer["logprobs"] = [
+            [step[t].logprob for step, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids)]
+            for r in results
         ]
-        profiled = bool(job.get("profile")) and bool(args.profile_dir)
-        if profiled:
-            llm.start_profile()
-        start = time.perf_counter()
-        results = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        if profiled:
-            llm.stop_profile()
-        outputs = [list(r.outputs[0].token_ids) for r in results]
-        answer: dict[str, object] = {"seconds": seconds, "outputs": outputs}
-        if want_logprobs:  # the chosen token's logprob at each step
-            answer["logprobs"] = [
-                [step[t].logprob for step, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids)]
-                for r in results
-            ]
-        out.write(json.dumps(answer) + "\n")
-    return 0
+    return answer
 
 
 def _score(llm: object, windows: list[list[int]]) -> dict[str, list]:
