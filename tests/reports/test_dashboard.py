@@ -22,6 +22,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from reports.dashboard import PAIRED_HEAD, build_app
+from reports.records import Column, Report
 from reports.render import cell as report_cell
 from reports.render import comparison_rows
 from tests.reports.conftest import Run
@@ -142,7 +143,7 @@ def test_dashboard_in_a_real_browser(
                     label,
                     c["key"],
                 )
-                assert cell == report_cell(v["row"], c), (label, c["key"])
+                assert cell == report_cell(v["row"], Column.from_json(c)), (label, c["key"])
 
     # one trace per variant (+ the Pareto front); one per variant and prompt length in the load plots
     assert _traces(browser, "quality") == [*expected, "Pareto front"]
@@ -210,7 +211,7 @@ def test_paired_comparisons_of_the_variants_shown_in_a_real_browser(
         for run, report in reports.items():
             names = {v["name"] for v in report["variants"]}
             reference = report["comparisons"]["reference"]
-            for cells in comparison_rows(report):
+            for cells in comparison_rows(Report.from_json(report)):
                 label = f"{run} / {cells[0]}"
                 if cells[0] in names and label not in hide:
                     out.append([label, f"{run} / {reference}", *cells[1:]])

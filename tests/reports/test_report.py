@@ -22,7 +22,8 @@ from reports.metrics import (
     bits_per_byte_key,
     stderr_key,
 )
-from reports.render import cell
+from reports.records import Column, Report
+from reports.render import cell as render_cell
 from tests.reports.conftest import Run, greedy_chat_answer, run_in, workbench_run
 
 TASKS = ["corpus_ppl", "corpus_cloze", "shift_ppl", "shop_colours"]
@@ -30,6 +31,11 @@ VARIANTS = ["base", "int8", "shop-lora"]
 CONCURRENCY, PROMPT_LENS, MAX_TOKENS = [1, 4, 8, 16, 32], [16, 48], 16
 
 pytestmark = pytest.mark.e2e  # servers in subprocesses, the CLI as one
+
+
+def cell(row: dict, column: dict) -> str:
+    """A table cell as report.md shows it, the column as report.json lists it."""
+    return render_cell(row, Column.from_json(column))
 
 
 def report_of(run: Run) -> dict:
@@ -305,7 +311,7 @@ def test_the_run_summary_shows_the_metrics_declaring_a_short_label(small_run: Ru
     from workbench.cli import _report_table
 
     report = report_of(small_run)
-    headers = [str(c.header) for c in _report_table(report).columns]
+    headers = [str(c.header) for c in _report_table(Report.from_json(report)).columns]
     assert headers == [c["short"] for c in report["columns"] if c.get("short")]
     assert headers[:2] == ["variant", "weights"] and "paired verdicts" in headers
     assert {*TASKS, "peak tok/s", "sat. p16", "req/s in SLO p48"} <= set(headers)
