@@ -1,4 +1,4 @@
-"""The report's recommendation: plain sentences computed from report.json alone.
+"""The report's recommendation: plain sentences computed from report.json alone (a `Report`).
 
 Model: the reader must pick one variant. The sentences say (1) the smallest variant whose
 benchmark scores show no detectable loss against the reference at this n (and what this n could

@@ -1,6 +1,7 @@
-"""report.md and the tables of index.html, from report.json alone.
+"""report.md and the tables of index.html, from report.json alone (read as a `Report`).
 
-Model: the recommendation first, then one table per metric group (`reports.metrics.GROUPS`:
+Model: the recommendation first, then the problems (failed requests, failed gates) when there
+are any, then one table per metric group (`reports.metrics.GROUPS`:
 memory, quality, divergence, serving), each with the variant's name in its first column, and the
 paired comparisons against the reference as their own table (difference, 95% interval, p before
 and after adjustment, the smallest difference the n could detect, verdict). Then the Pareto front,

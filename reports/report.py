@@ -1,9 +1,11 @@
-"""The recipe's report: `report.json` (every figure), `report.md` and `index.html` (the
-recommendation, the grouped tables and the plots), written whole into `reports/<recipe>/`.
+"""The recipe's report: `report.json` (every figure), `report.md` and `index.html` (the summary
+figure, the recommendation, the problems, the grouped tables and the plots), written whole into
+`reports/<recipe>/`.
 
 `report.json` holds, per variant, its table row, lm-eval results and load benchmark; the columns
 (`reports.metrics`); the paired comparisons against the reference (`reports.comparisons`); the
-quality axis and its Pareto front; the recommendation (`reports.recommend`); the server check;
+quality axis and its Pareto front; the recommendation (`reports.recommend`); the recipe's gates
+judged on each variant (`reports.gates`) and the problems; the server check;
 how the figures were made (machine, packages) and when the load results were measured
 (`reports.sittings`).
 """
@@ -104,10 +106,8 @@ def build_report(
         | {SERVES_IN.key: serves_in(v.path, v.manifest.kind)}
         for v in variants
     ]
-    names = [v.name for v in variants]
-    reference = reference_name(
-        names, settings.divergence.reference if settings.divergence else None
-    )
+    div_reference = settings.divergence.reference if settings.divergence else None
+    reference = reference_name([v.name for v in variants], div_reference)
     add_recovery(rows, tasks, measured, reference)
     metrics = registry(tasks, measured, load_settings, reference)
     comparisons = compare(metrics, measured, reference) if reference else None
@@ -127,21 +127,7 @@ def build_report(
         "settings": {"quality_tasks": tasks, "load": load_settings},
         "columns": [m.column() for m in metrics],
         "variants": [
-            {
-                "name": v.name,
-                "row": row,
-                "serve": v.serve.model_dump(mode="json", exclude_defaults=True),
-                "seen_data": sorted(seen[v.name]),
-                "manifest": {
-                    "kind": v.manifest.kind,
-                    "hash": v.manifest.hash,
-                    "steps": [s.to_json() for s in v.manifest.steps],
-                    "quantization": v.manifest.quantization,
-                    **_plan_of(v.manifest.info),
-                },
-                "quality": measured[v.name].quality_json(),
-                "load": load.to_json() if (load := measured[v.name].load) else None,
-            }
+            _variant_json(v, row, seen[v.name], measured[v.name])
             for v, row in zip(variants, rows, strict=True)
         ],
         "server_check": measurements.server_check.to_json() if measurements.server_check else None,
@@ -160,6 +146,28 @@ def build_report(
     report["gates"] = [g.to_json() for g in gated]
     report["problems"] = problems(report) + [g.problem() for g in gated if not g.passed]
     return report
+
+
+def _variant_json(
+    v: VariantResult, row: dict[str, Any], seen: set[str], measured: VariantEvals
+) -> dict[str, Any]:
+    """report.json's entry of one variant: its row, serving settings, the data its steps saw,
+    its manifest's summary, lm-eval results and load benchmark."""
+    return {
+        "name": v.name,
+        "row": row,
+        "serve": v.serve.model_dump(mode="json", exclude_defaults=True),
+        "seen_data": sorted(seen),
+        "manifest": {
+            "kind": v.manifest.kind,
+            "hash": v.manifest.hash,
+            "steps": [s.to_json() for s in v.manifest.steps],
+            "quantization": v.manifest.quantization,
+            **_plan_of(v.manifest.info),
+        },
+        "quality": measured.quality_json(),
+        "load": load.to_json() if (load := measured.load) else None,
+    }
 
 
 def problems(report: dict[str, Any]) -> list[str]:

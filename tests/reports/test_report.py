@@ -19,6 +19,7 @@ from reports.metrics import (
     KL,
     P95_E2E,
     SATURATION,
+    SATURATION_ESTIMATE,
     bits_per_byte_key,
     stderr_key,
 )
@@ -287,6 +288,32 @@ def test_markdown_and_html(small_run: Run) -> None:
     for plot in ("quality", "throughput", "latency", "kv", "capacity"):
         assert f'id="plot-{plot}"' in page
     assert (small_run.report_dir / "plotly.min.js").stat().st_size > 1_000_000
+
+
+def _plotted(page: str, plot: str) -> list[dict]:
+    """The traces index.html hands Plotly for the div `plot-<plot>`."""
+    start = page.index(f'"plot-{plot}",', page.index("Plotly.newPlot("))
+    data, _ = json.JSONDecoder().raw_decode(page, page.index("[", start))
+    return data
+
+
+def test_the_report_opens_with_quality_against_memory_with_capacity(small_run: Run) -> None:
+    """One point per variant: x its weights (MB), y the quality axis, customdata the clients its
+    KV cache held at saturation on the longest prompt (measured, else estimated)."""
+    report = report_of(small_run)
+    page = (small_run.report_dir / "index.html").read_text()
+    assert page.index('id="plot-summary"') < page.index("id='recommendation'")
+    assert page.index('id="plot-summary"') < page.index("<table id='memory'>")
+    (trace,) = _plotted(page, "summary")
+    key, longest = report["quality_axis"]["key"], max(PROMPT_LENS)
+    rows = [v["row"] for v in report["variants"]]
+    assert trace["text"] == VARIANTS
+    assert trace["x"] == [r["weight_bytes"] / 1e6 for r in rows]
+    assert trace["y"] == [r[key] for r in rows]
+    clients = [r[SATURATION.key(longest)] or r[SATURATION_ESTIMATE.key(longest)] for r in rows]
+    assert trace["customdata"] == clients and all(c for c in clients)
+    sizes = trace["marker"]["size"]
+    assert sizes[clients.index(max(clients))] == max(sizes) == 40
 
 
 def test_every_row_key_is_a_declared_metric_or_its_companion(small_run: Run) -> None:
