@@ -556,3 +556,26 @@ def _get_when_listening(url: str, proc: subprocess.Popen) -> httpx.Response:
             return httpx.get(url, timeout=30)
         time.sleep(0.1)
     raise AssertionError(f"{url} did not answer")
+
+
+def test_compare_answers_the_summary_figure_and_each_runs_problems(reports_dir: Path) -> None:
+    """A run's problems (a failed gate here) come with its rows; the summary figure has one
+    point per variant shown, labelled `run / variant`; a report written before gates, sittings
+    and seen data existed is compared like the others."""
+    path = reports_dir / "other" / "report.json"
+    other = json.loads(path.read_text())
+    gate = "shop-lora: gate recovery.corpus_ppl (at least 2) failed: measured 0.998"
+    other["problems"] = [gate]
+    for key in ("gates", "load_sittings"):
+        other.pop(key, None)
+    for v in other["variants"]:
+        v.pop("seen_data", None)
+    path.write_text(json.dumps(other))
+    with TestClient(build_app(reports_dir), base_url="http://127.0.0.1") as client:
+        answer = client.get("/api/compare", params={"runs": "other,small"}).json()
+    assert answer["problems"] == [f"other: {gate}"]
+    (trace,) = answer["figures"]["summary"]["data"]
+    labels = [f"{run} / {v}" for run in ("other", "small") for v in ("base", "int8", "shop-lora")]
+    labels.remove("other / int8")
+    assert trace["text"] == labels == [row["label"] for row in answer["rows"]]
+    assert trace["x"] == [row["weight_bytes"] / 1e6 for row in answer["rows"]]
