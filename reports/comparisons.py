@@ -18,6 +18,7 @@ from typing import Any
 from evals import paired
 from evals.results import ItemScores, VariantEvals
 from reports.metrics import Metric
+from reports.records import Comparison
 
 
 def reference_name(names: list[str], divergence_reference: str | None) -> str | None:
@@ -114,10 +115,10 @@ def compare(
     }
 
 
-def describe_delta(row: dict[str, Any]) -> str:
+def describe_delta(row: Comparison) -> str:
     """A difference and its interval in the metric's own terms: accuracy points, bits per byte,
     or the perplexity ratio as a percentage."""
-    kind, d, lo, hi = row["pairing"], row["delta"], row["low"], row["high"]
+    kind, d, lo, hi = row.pairing, row.delta, row.low, row.high
     if kind == "accuracy":
         return f"{100 * d:+.1f} pts [{100 * lo:+.1f}, {100 * hi:+.1f}]"
     if kind == "bits_per_byte":
@@ -125,8 +126,8 @@ def describe_delta(row: dict[str, Any]) -> str:
     return f"{100 * math.expm1(d):+.2f}% ppl [{100 * math.expm1(lo):+.2f}, {100 * math.expm1(hi):+.2f}]"
 
 
-def describe_mde(row: dict[str, Any]) -> str:
-    kind, mde = row["pairing"], row["mde"]
+def describe_mde(row: Comparison) -> str:
+    kind, mde = row.pairing, row.mde
     if kind == "accuracy":
         return f"{100 * mde:.1f} pts"
     if kind == "bits_per_byte":

@@ -4,7 +4,8 @@ Model: a run is a directory `<reports>/<run>/` holding a `report.json`; the dire
 every request, so a report written while the dashboard runs appears on reload. The page
 (`dashboard.html`) asks `/api/runs` what exists and `/api/compare` for the chosen runs and
 variants: the union of their table columns, one row per variant labelled `run / variant`, and
-the report's plots (`reports.figures`) over exactly those variants, and each run's paired
+the report's plots (`reports.figures`, the summary figure first) over exactly those variants,
+each run's problems (failed requests, failed gates), and each run's paired
 comparisons of those variants against that run's reference (pairs never cross runs: the items
 are the same only within one). `Filters` (a memory budget,
 a p95 latency bound, a minimum capacity within the run's SLO) keep only the variants known to
@@ -25,32 +26,33 @@ from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from reports import figures
-from reports.metrics import CAPACITY_RATE, P95_E2E
+from reports.metrics import CAPACITY_RATE, P95_E2E, WEIGHT_BYTES
+from reports.records import Report, ReportFormatError
 from reports.render import COMPARISON_HEAD, comparison_rows
-from reports.report import entries
 from serve.http.middleware import CrossSiteGuard
 
 PAGE = Path(__file__).with_name("dashboard.html")
 
 
-def load_runs(root: Path) -> dict[str, dict[str, Any]]:
+def load_runs(root: Path) -> dict[str, Report]:
     """{run: report} for every readable `<root>/*/report.json`, by run name."""
     return scan_runs(root)[0]
 
 
-def scan_runs(root: Path) -> tuple[dict[str, dict[str, Any]], list[dict[str, str]]]:
+def scan_runs(root: Path) -> tuple[dict[str, Report], list[dict[str, str]]]:
     """The usable reports by run name, and a note ({file, problem}) for each `report.json`
     that is not one: a file that cannot be read (not a regular file, too large, not JSON) or
     that is JSON but not a report (or whose contents the page cannot show) is skipped, so one
     bad file never empties the page. Reports are written whole (`reports.report.write_report`
     renames them into place), so a file that does not parse is not one being written."""
-    runs, skipped = {}, []
+    runs: dict[str, Report] = {}
+    skipped: list[dict[str, str]] = []
     for path in sorted(root.glob("*/report.json")):
         report, problem = _checked_report(path)
-        if problem is None:
+        if report is not None:
             runs[path.parent.name] = report
         else:
-            skipped.append({"file": str(path), "problem": problem})
+            skipped.append({"file": str(path), "problem": problem or "not a report"})
     return runs, skipped
 
 
@@ -58,7 +60,7 @@ MAX_REPORT_BYTES = 64 << 20
 """Largest report.json read (a report of a recipe's variants, with its plots' data, is well
 under 1 MB); a larger file is skipped unread."""
 
-_CHECKED: dict[Path, tuple[tuple[int, int], Any, str | None]] = {}
+_CHECKED: dict[Path, tuple[tuple[int, int], Report | None, str | None]] = {}
 """report.json path -> ((mtime_ns, size), report, problem): a file is read and checked once
 until it changes, not on every request."""
 
@@ -67,13 +69,14 @@ class Unreadable(Exception):
     """Why a report.json was not read: the note /api/skipped shows."""
 
 
-def _checked_report(path: Path) -> tuple[Any, str | None]:
+def _checked_report(path: Path) -> tuple[Report | None, str | None]:
+    """The report at `path` and None, or None and why it is not one."""
     try:
         version = regular_file_version(os.stat(path), MAX_REPORT_BYTES)
         cached = _CHECKED.get(path)
         if cached is not None and cached[0] == version:
             return cached[1], cached[2]
-        report = json.loads(read_regular_file(path, MAX_REPORT_BYTES))
+        document = json.loads(read_regular_file(path, MAX_REPORT_BYTES))
     except Unreadable as e:
         return None, str(e)
     except OSError as e:
@@ -82,7 +85,8 @@ def _checked_report(path: Path) -> tuple[Any, str | None]:
         return None, f"is not JSON ({e})"
     except RecursionError:
         return None, "is not a report: its JSON nests deeper than the parser takes"
-    problem = report_problem(path.parent.name, report)
+    problem = report_problem(path.parent.name, document)
+    report = Report.from_json(document) if problem is None else None
     _CHECKED[path] = (version, report, problem)
     return report, problem
 
@@ -128,9 +132,8 @@ def report_problem(run: str, report: Any) -> str | None:
     if missing:
         return f"not a workbench report: no {', '.join(missing)}"
     try:
-        [v["name"] for v in report["variants"]]
-        compare({run: report}, [run], None)
-    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+        compare({run: Report.from_json(report)}, [run], None)
+    except (ReportFormatError, KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
         return f"not a workbench report the dashboard can show ({type(e).__name__}: {e})"
     return None
 
@@ -146,7 +149,7 @@ class Filters:
 
     def passes(self, row: dict[str, Any]) -> bool:
         if self.budget_mb is not None:
-            weights = row.get("weight_bytes")
+            weights = row.get(WEIGHT_BYTES.key)
             if weights is None or weights > self.budget_mb * 1e6:
                 return False
         if self.max_e2e_p95_s is not None:
@@ -163,51 +166,52 @@ class Filters:
 PAIRED_HEAD = [COMPARISON_HEAD[0], "paired with", *COMPARISON_HEAD[1:]]
 
 
-def paired_rows(report: dict[str, Any], run: str, shown: set[str]) -> list[dict[str, Any]]:
+def paired_rows(report: Report, run: str, shown: set[str]) -> list[dict[str, Any]]:
     """The run's paired comparisons (report.md's table, the same cells) of the variants shown:
     each against its own run's reference, measured on the same items."""
-    comparisons = report.get("comparisons") or {}
-    reference = f"{run} / {comparisons.get('reference')}"
+    reference = f"{run} / {report.comparisons.reference}"
     out = []
-    for cells, r in zip(comparison_rows(report), comparisons.get("rows", []), strict=True):
-        label = f"{run} / {r['variant']}"
+    for cells, r in zip(comparison_rows(report), report.comparisons.rows, strict=True):
+        label = f"{run} / {r.variant}"
         if label in shown:
-            out.append({"label": label, "metric": r["metric"], "verdict": r["verdict"],
+            out.append({"label": label, "metric": r.metric, "verdict": r.verdict,
                         "cells": [label, reference, *cells[1:]]})  # fmt: skip
     return out
 
 
 def compare(
-    runs: dict[str, dict[str, Any]],
+    runs: dict[str, Report],
     chosen_runs: list[str],
     chosen: set[str] | None,
     filters: Filters | None = None,
 ) -> dict[str, Any]:
-    """Columns, rows, paired comparisons and figures for the chosen runs; `chosen` = labels
-    `run / variant` to keep (None: all); `hidden`: the chosen variants `filters` left out."""
+    """Columns, rows, paired comparisons, problems and figures for the chosen runs; `chosen` =
+    labels `run / variant` to keep (None: all); `hidden`: the chosen variants `filters` left
+    out; `problems`: each chosen run's (failed requests, failed gates), `run: problem`."""
     filters = filters or Filters()
     columns: list[dict[str, Any]] = []
     seen: set[str] = set()
     picked, rows, hidden = [], [], []
     for run in chosen_runs:
         report = runs[run]
-        for c in report["columns"]:
+        for c in report.document["columns"]:
             if c["key"] not in seen:
                 seen.add(c["key"])
                 columns.append(c)
-        for e in entries(report, prefix=f"{run} / "):
-            if chosen is not None and e["label"] not in chosen:
+        for e in figures.entries(report, prefix=f"{run} / "):
+            if chosen is not None and e.label not in chosen:
                 continue
-            if not filters.passes(e["row"]):
-                hidden.append(e["label"])
+            if not filters.passes(e.row):
+                hidden.append(e.label)
                 continue
             picked.append(e)
-            rows.append({**e["row"], "label": e["label"], "run": run})
-    shown = {e["label"] for e in picked}
+            rows.append({**e.row, "label": e.label, "run": run})
+    shown = {e.label for e in picked}
     paired = [p for run in chosen_runs for p in paired_rows(runs[run], run, shown)]
-    axis = next((runs[r]["quality_axis"] for r in chosen_runs), {"key": None})
-    key, lower = axis.get("key"), axis.get("lower_is_better", True)
-    figs = figures.all_figures(picked, key, bool(lower))
+    axis = runs[chosen_runs[0]].quality_axis if chosen_runs else None
+    key, lower = (axis.key, axis.lower_is_better) if axis else (None, True)
+    figs = {"summary": figures.summary(picked, key, lower)} if key else {}
+    figs |= figures.all_figures(picked, key, lower)
     columns.insert(0, {"key": "run", "label": "run", "format": "text"})
     return {
         "columns": columns,
@@ -215,6 +219,7 @@ def compare(
         "hidden": hidden,
         "paired_head": PAIRED_HEAD,
         "paired": paired,
+        "problems": [f"{run}: {p}" for run in chosen_runs for p in runs[run].problems],
         "figures": {name: json.loads(fig.to_json()) for name, fig in figs.items()},
     }
 
@@ -262,9 +267,9 @@ def build_app(
             [
                 {
                     "run": run,
-                    "title": r["title"],
-                    "created": r["created"],
-                    "variants": [v["name"] for v in r["variants"]],
+                    "title": r.title,
+                    "created": r.created,
+                    "variants": [v.name for v in r.variants],
                 }
                 for run, r in load_runs(root).items()
             ]

@@ -1,21 +1,48 @@
 """The report's plots (plotly), shared by `index.html` and the dashboard.
 
-Every function takes entries `{"label", "row", "load"}` (a variant's table row and its load
-benchmark, labelled `variant` in a report and `run / variant` on the dashboard) and returns a
-figure; each variant is one trace (one per prompt length in the load plots, in one legend group).
+Every function takes `Entry`s (a variant's table row and its load benchmark, labelled `variant`
+in a report and `run / variant` on the dashboard) and returns a figure; each variant is one trace
+(one per prompt length in the load plots, in one legend group), except the summary figure's one
+trace with a point per variant.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from reports.metrics import CAPACITY_RATE
+from reports.metrics import (
+    CAPACITY_RATE,
+    SATURATION,
+    SATURATION_ESTIMATE,
+    VARIANT,
+    WEIGHT_BYTES,
+)
+from reports.records import Report
 from reports.rows import pareto_front
 
-Entry = dict[str, Any]
+
+@dataclass(frozen=True)
+class Entry:
+    """One variant as the plots draw it."""
+
+    label: str
+    """`variant` in a report, `run / variant` on the dashboard."""
+    row: dict[str, Any]
+    load: dict[str, Any] | None
+    off_axis: bool = False
+    """Trained or calibrated on the quality axis's data: drawn hollow, off the front."""
+
+
+def entries(report: Report, prefix: str = "") -> list[Entry]:
+    """The plots' entries of a report's variants, labelled `prefix + name`."""
+    excluded = set(report.quality_axis.excluded)
+    return [Entry(f"{prefix}{v.name}", v.row, v.load, v.name in excluded) for v in report.variants]
+
+
 PALETTE = (
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
     "#bcbd22", "#17becf",
@@ -26,24 +53,69 @@ def _colour(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
 
 
+def clients_at_saturation(entry: Entry, prompt_len: int | None) -> float | None:
+    """Concurrent requests the variant's KV cache held when it saturated at `prompt_len`:
+    measured, else estimated from its KV tokens; None without a load benchmark."""
+    if prompt_len is None:
+        return None
+    measured = SATURATION.values(entry.row).get(str(prompt_len))
+    return measured or SATURATION_ESTIMATE.values(entry.row).get(str(prompt_len))
+
+
+def summary(entries: list[Entry], quality_key: str, lower_better: bool) -> go.Figure:
+    """The report's opening figure: quality against weight memory with capacity, one trace with
+    a point per variant (those with both figures); the marker's area grows with the clients its
+    KV cache holds at saturation on the longest prompt measured (`customdata`)."""
+    points = [
+        e for e in entries if e.row.get(quality_key) is not None and e.row.get(WEIGHT_BYTES.key)
+    ]
+    lens = sorted({int(n) for e in points for n in SATURATION.values(e.row)})
+    longest = lens[-1] if lens else None
+    clients = [clients_at_saturation(e, longest) for e in points]
+    top = max((c for c in clients if c), default=None)
+    fig = go.Figure(
+        go.Scatter(
+            x=[e.row[WEIGHT_BYTES.key] / 1e6 for e in points],
+            y=[e.row[quality_key] for e in points],
+            mode="markers+text",
+            text=[e.label for e in points],
+            textposition="top center",
+            customdata=clients,
+            hovertemplate="%{text}: %{x:.2f} MB, %{y:.4g}, %{customdata} clients<extra></extra>",
+            marker={
+                "size": [14 if not (c and top) else 10 + 30 * (c / top) ** 0.5 for c in clients],
+                "color": [_colour(i) for i in range(len(points))],
+                "symbol": ["circle-open" if e.off_axis else "circle" for e in points],
+            },
+        )
+    )
+    where = f"clients at KV saturation, prompt {longest}" if longest else "no load benchmark"
+    fig.update_layout(
+        title=f"Quality against memory, with capacity (marker area: {where})",
+        xaxis_title="weights in memory (MB)",
+        yaxis_title=f"{quality_key} ({'lower' if lower_better else 'higher'} is better)",
+    )
+    return fig
+
+
 def quality_vs_memory(entries: list[Entry], quality_key: str, lower_better: bool) -> go.Figure:
     """Quality against weight memory; the Pareto front (less memory and better quality than
     every other variant on at least one axis) as a line through its variants. Entries
     `off_axis` (trained on the axis's data) are drawn hollow and left off the front."""
     fig = go.Figure()
     rows = [
-        {**e["row"], "variant": e["label"], "off_axis": bool(e.get("off_axis"))}
+        {**e.row, VARIANT.key: e.label, "off_axis": e.off_axis}
         for e in entries
-        if e["row"].get(quality_key) is not None and e["row"].get("weight_bytes")
+        if e.row.get(quality_key) is not None and e.row.get(WEIGHT_BYTES.key)
     ]
     for i, r in enumerate(rows):
         fig.add_trace(
             go.Scatter(
-                x=[r["weight_bytes"] / 1e6],
+                x=[r[WEIGHT_BYTES.key] / 1e6],
                 y=[r[quality_key]],
                 mode="markers+text" if len(rows) <= 10 else "markers",  # labels, or hover
-                name=r["variant"],
-                text=[r["variant"]],
+                name=r[VARIANT.key],
+                text=[r[VARIANT.key]],
                 textposition="top center",
                 marker={
                     "size": 12,
@@ -55,7 +127,7 @@ def quality_vs_memory(entries: list[Entry], quality_key: str, lower_better: bool
     on_axis = [r for r in rows if not r["off_axis"]]
     front = set(pareto_front(on_axis, quality_key, lower_better))
     points = sorted(
-        (r["weight_bytes"] / 1e6, r[quality_key]) for r in rows if r["variant"] in front
+        (r[WEIGHT_BYTES.key] / 1e6, r[quality_key]) for r in rows if r[VARIANT.key] in front
     )
     fig.add_trace(
         go.Scatter(
@@ -75,7 +147,7 @@ def quality_vs_memory(entries: list[Entry], quality_key: str, lower_better: bool
 
 
 def _prompt_lens(entries: list[Entry]) -> list[int]:
-    lens = {p["prompt_len"] for e in entries if e.get("load") for p in e["load"]["points"]}
+    lens = {p["prompt_len"] for e in entries if e.load for p in e.load["points"]}
     return sorted(lens)
 
 
@@ -83,11 +155,11 @@ def _per_prompt_len(entries: list[Entry], metric: Any, title: str, y_title: str)
     lens = _prompt_lens(entries) or [0]
     fig = make_subplots(rows=1, cols=len(lens), subplot_titles=[f"prompt {n} tokens" for n in lens])
     for i, e in enumerate(entries):
-        if not e.get("load"):
+        if not e.load:
             continue
         for col, length in enumerate(lens, start=1):
             points = sorted(
-                (p for p in e["load"]["points"] if p["prompt_len"] == length),
+                (p for p in e.load["points"] if p["prompt_len"] == length),
                 key=lambda p: p["concurrency"],
             )
             fig.add_trace(
@@ -95,8 +167,8 @@ def _per_prompt_len(entries: list[Entry], metric: Any, title: str, y_title: str)
                     x=[p["concurrency"] for p in points],
                     y=[metric(p) for p in points],
                     mode="lines+markers",
-                    name=e["label"],
-                    legendgroup=e["label"],
+                    name=e.label,
+                    legendgroup=e.label,
                     showlegend=col == 1,
                     line={"color": _colour(i)},
                     meta={"prompt_len": length},
@@ -104,9 +176,7 @@ def _per_prompt_len(entries: list[Entry], metric: Any, title: str, y_title: str)
                 row=1,
                 col=col,
             )
-    ticks = sorted(
-        {p["concurrency"] for e in entries if e.get("load") for p in e["load"]["points"]}
-    )
+    ticks = sorted({p["concurrency"] for e in entries if e.load for p in e.load["points"]})
     fig.update_xaxes(type="log", tickvals=ticks, ticktext=[str(t) for t in ticks])
     fig.update_xaxes(title_text="concurrent clients")
     fig.update_yaxes(title_text=y_title, col=1)
@@ -134,10 +204,10 @@ def kv_vs_concurrency(entries: list[Entry]) -> go.Figure:
     )
     lens = _prompt_lens(entries)
     for i, e in enumerate(entries):
-        if not e.get("load"):
+        if not e.load:
             continue
         for col, length in enumerate(lens, start=1):
-            sat = e["load"]["saturation"].get(str(length))
+            sat = e.load["saturation"].get(str(length))
             if not sat:
                 continue
             fig.add_trace(
@@ -145,8 +215,8 @@ def kv_vs_concurrency(entries: list[Entry]) -> go.Figure:
                     x=[sat["estimated_concurrency"]] * 2,
                     y=[0, 100],
                     mode="lines",
-                    name=f"{e['label']} estimate",
-                    legendgroup=e["label"],
+                    name=f"{e.label} estimate",
+                    legendgroup=e.label,
                     showlegend=False,
                     line={"dash": "dot", "color": _colour(i)},
                     meta={"prompt_len": length, "role": "estimate"},
@@ -158,7 +228,7 @@ def kv_vs_concurrency(entries: list[Entry]) -> go.Figure:
             point = next(
                 (
                     p
-                    for p in e["load"]["points"]
+                    for p in e.load["points"]
                     if p["prompt_len"] == length and p["concurrency"] == measured
                 ),
                 None,
@@ -169,8 +239,8 @@ def kv_vs_concurrency(entries: list[Entry]) -> go.Figure:
                         x=[measured],
                         y=[100 * point["peak_kv_usage"]],
                         mode="markers",
-                        name=f"{e['label']} saturated",
-                        legendgroup=e["label"],
+                        name=f"{e.label} saturated",
+                        legendgroup=e.label,
                         showlegend=False,
                         marker={"symbol": "star", "size": 16, "color": _colour(i)},
                         meta={"prompt_len": length, "role": "measured"},
@@ -187,10 +257,8 @@ def capacity_vs_quality(entries: list[Entry], quality_key: str, lower_better: bo
     quality axis (one trace per variant, one marker per prompt length)."""
     fig = go.Figure()
     for i, e in enumerate(entries):
-        rates = sorted(
-            (int(n), v) for n, v in CAPACITY_RATE.values(e["row"]).items() if v is not None
-        )
-        quality = e["row"].get(quality_key)
+        rates = sorted((int(n), v) for n, v in CAPACITY_RATE.values(e.row).items() if v is not None)
+        quality = e.row.get(quality_key)
         if not rates or quality is None:
             continue
         fig.add_trace(
@@ -199,9 +267,9 @@ def capacity_vs_quality(entries: list[Entry], quality_key: str, lower_better: bo
                 y=[quality] * len(rates),
                 text=[f"prompt {n}" for n, _ in rates],
                 mode="markers",
-                name=e["label"],
+                name=e.label,
                 marker={"size": 12, "color": _colour(i),
-                        "symbol": "circle-open" if e.get("off_axis") else "circle"},
+                        "symbol": "circle-open" if e.off_axis else "circle"},
             )
         )  # fmt: skip
     fig.update_layout(
@@ -218,9 +286,9 @@ def all_figures(entries: list[Entry], quality_key: str | None, lower_better: boo
     figs: dict[str, go.Figure] = {}
     if quality_key:
         figs["quality"] = quality_vs_memory(entries, quality_key, lower_better)
-        if any(CAPACITY_RATE.values(e["row"]) for e in entries):
+        if any(CAPACITY_RATE.values(e.row) for e in entries):
             figs["capacity"] = capacity_vs_quality(entries, quality_key, lower_better)
-    if any(e.get("load") for e in entries):
+    if any(e.load for e in entries):
         figs["throughput"] = throughput_vs_concurrency(entries)
         figs["latency"] = p95_vs_concurrency(entries)
         figs["kv"] = kv_vs_concurrency(entries)

@@ -188,22 +188,31 @@ def divergence_metrics(data: str, reference: str) -> list[Metric]:
     ]  # fmt: skip
 
 
-MEMORY = [
-    Metric("parameters", "params", "int", None, "memory"),
-    Metric("weight_bytes", "weight memory", "bytes", "lower", "memory", short="weights"),
-    Metric("kv_bytes_per_token", "KV B/token", "int", "lower", "memory"),
-]
+VARIANT = Metric("variant", "variant", "text", None, "variant", short="variant")
+STEPS = Metric("steps", "steps", "text", None, "variant")
+SERVES_IN = Metric("serves_in", "serves in", "text", None, "variant")
+PARAMETERS = Metric("parameters", "params", "int", None, "memory")
+WEIGHT_BYTES = Metric("weight_bytes", "weight memory", "bytes", "lower", "memory",
+                      short="weights")  # fmt: skip
+KV_BYTES_PER_TOKEN = Metric("kv_bytes_per_token", "KV B/token", "int", "lower", "memory")
+MEMORY = [PARAMETERS, WEIGHT_BYTES, KV_BYTES_PER_TOKEN]
+PEAK_TOK_S = Metric("peak_output_tok_s", "peak tok/s", "float", "higher", "serving",
+                    short="peak tok/s")  # fmt: skip
+PEAK_REQ_S = Metric("peak_req_s", "peak req/s", "float", "higher", "serving")
+FAILED_REQUESTS = Metric("failed_requests", "failed requests", "int", "lower", "serving")
+RAN_ON = Metric("ran_on", "ran on", "text", None, "serving")
+
+KIND, TRAINABLE, BYTES_ON_DISK, KV_TOKENS = (
+    "kind", "trainable_parameters", "bytes_on_disk", "kv_tokens"
+)  # fmt: skip
+"""Row keys no table shows: the manifest's kind, trainable parameters and size on disk, and the
+KV cache's token capacity (the recommendation compares twins by it)."""
 
 
 def serving_metrics(load_settings: dict[str, Any]) -> list[Metric]:
     """Peak throughput and failed requests, then per prompt length: p95 latencies at 16 clients,
     KV saturation, and with an SLO the capacity within it."""
-    out = [
-        Metric("peak_output_tok_s", "peak tok/s", "float", "higher", "serving", short="peak tok/s"),
-        Metric("peak_req_s", "peak req/s", "float", "higher", "serving"),
-        Metric("failed_requests", "failed requests", "int", "lower", "serving"),
-        Metric("ran_on", "ran on", "text", None, "serving"),
-    ]
+    out = [PEAK_TOK_S, PEAK_REQ_S, FAILED_REQUESTS, RAN_ON]
     slo = load_settings.get("slo")
     bounds = ", ".join(f"{k.removesuffix('_s')} {v:g} s" for k, v in (slo or {}).items() if v)
     c = REFERENCE_CONCURRENCY
@@ -225,6 +234,14 @@ def serving_metrics(load_settings: dict[str, Any]) -> list[Metric]:
     return out
 
 
+VERDICTS = "verdicts"
+
+
+def verdicts_metric(reference: str) -> Metric:
+    return Metric(VERDICTS, f"paired vs {reference}", "text", None, "quality",
+                  short="paired verdicts")  # fmt: skip
+
+
 def registry(
     tasks: list[str],
     measured: dict[str, VariantEvals],
@@ -233,17 +250,9 @@ def registry(
 ) -> list[Metric]:
     """The run's metrics, in table order; with a `reference`, each variant's paired verdicts
     against it (`reports.comparisons.summary`) lead the quality group."""
-    out = [
-        Metric("variant", "variant", "text", None, "variant", short="variant"),
-        Metric("steps", "steps", "text", None, "variant"),
-        Metric("serves_in", "serves in", "text", None, "variant"),
-        *MEMORY,
-    ]
+    out = [VARIANT, STEPS, SERVES_IN, *MEMORY]
     if reference is not None and len(measured) > 1:
-        out.append(
-            Metric("verdicts", f"paired vs {reference}", "text", None, "quality",
-                   short="paired verdicts")
-        )  # fmt: skip
+        out.append(verdicts_metric(reference))
     for task in tasks:
         out += task_metrics(task, measured)
     div = next((e.divergence for e in measured.values() if e.divergence), None)

@@ -1,9 +1,11 @@
-"""The recipe's report: `report.json` (every figure), `report.md` and `index.html` (the
-recommendation, the grouped tables and the plots), written whole into `reports/<recipe>/`.
+"""The recipe's report: `report.json` (every figure), `report.md` and `index.html` (the summary
+figure, the recommendation, the problems, the grouped tables and the plots), written whole into
+`reports/<recipe>/`.
 
 `report.json` holds, per variant, its table row, lm-eval results and load benchmark; the columns
 (`reports.metrics`); the paired comparisons against the reference (`reports.comparisons`); the
-quality axis and its Pareto front; the recommendation (`reports.recommend`); the server check;
+quality axis and its Pareto front; the recommendation (`reports.recommend`); the recipe's gates
+judged on each variant (`reports.gates`) and the problems; the server check;
 how the figures were made (machine, packages) and when the load results were measured
 (`reports.sittings`).
 """
@@ -25,8 +27,10 @@ from evals.variant import VariantResult
 from evals.variant_evals import Measurements
 from reports import figures
 from reports.comparisons import compare, reference_name, summary
-from reports.metrics import KL, Metric, registry
+from reports.gates import Gates, check
+from reports.metrics import KL, SERVES_IN, VARIANT, VERDICTS, Metric, registry
 from reports.recommend import recommendation
+from reports.records import Report
 from reports.render import html_tables, markdown
 from reports.rows import add_recovery, pareto_front, variant_row
 from reports.serves_in import serves_in
@@ -90,29 +94,30 @@ def build_report(
     settings: Evals,
     variants: list[VariantResult],
     measurements: Measurements,
+    gates: Gates | None = None,
 ) -> dict[str, Any]:
-    """The report of one run: `variants` in recipe order, each with what was measured of it."""
+    """The report of one run: `variants` in recipe order, each with what was measured of it;
+    `gates` (the recipe's) are checked on every variant but the reference."""
     tasks = settings.task_names()
     load_settings = settings.load.model_dump(mode="json") if settings.load else None
     measured = {v.name: measurements.of(v.name) for v in variants}
     rows = [
         variant_row(v.name, v.manifest, measured[v.name], v.serve)
-        | {"serves_in": serves_in(v.path, v.manifest.kind)}
+        | {SERVES_IN.key: serves_in(v.path, v.manifest.kind)}
         for v in variants
     ]
-    names = [v.name for v in variants]
-    reference = reference_name(
-        names, settings.divergence.reference if settings.divergence else None
-    )
+    div_reference = settings.divergence.reference if settings.divergence else None
+    reference = reference_name([v.name for v in variants], div_reference)
     add_recovery(rows, tasks, measured, reference)
     metrics = registry(tasks, measured, load_settings, reference)
     comparisons = compare(metrics, measured, reference) if reference else None
     for row in rows:
         if comparisons is not None and len(rows) > 1:
-            row["verdicts"] = summary(comparisons, row["variant"])
+            row[VERDICTS] = summary(comparisons, row[VARIANT.key])
     seen = {v.name: seen_data(v.manifest.steps) for v in variants}
     axis = quality_axis(seen, metrics, measured)
-    on_axis = [r for r in rows if r["variant"] not in axis["excluded"]]
+    on_axis = [r for r in rows if r[VARIANT.key] not in axis["excluded"]]
+    gated = check(gates or {}, rows, reference)
     report = {
         "schema": SCHEMA,
         "recipe": name,
@@ -122,21 +127,7 @@ def build_report(
         "settings": {"quality_tasks": tasks, "load": load_settings},
         "columns": [m.column() for m in metrics],
         "variants": [
-            {
-                "name": v.name,
-                "row": row,
-                "serve": v.serve.model_dump(mode="json", exclude_defaults=True),
-                "seen_data": sorted(seen[v.name]),
-                "manifest": {
-                    "kind": v.manifest.kind,
-                    "hash": v.manifest.hash,
-                    "steps": [s.to_json() for s in v.manifest.steps],
-                    "quantization": v.manifest.quantization,
-                    **_plan_of(v.manifest.info),
-                },
-                "quality": measured[v.name].quality_json(),
-                "load": load.to_json() if (load := measured[v.name].load) else None,
-            }
+            _variant_json(v, row, seen[v.name], measured[v.name])
             for v, row in zip(variants, rows, strict=True)
         ],
         "server_check": measurements.server_check.to_json() if measurements.server_check else None,
@@ -151,14 +142,38 @@ def build_report(
         ),
     }
     report["load_sittings"] = load_sittings(report)
-    report["recommendation"] = recommendation(report)
-    report["problems"] = problems(report)
+    report["recommendation"] = recommendation(Report.from_json(report)).sentences
+    report["gates"] = [g.to_json() for g in gated]
+    report["problems"] = problems(report) + [g.problem() for g in gated if not g.passed]
     return report
 
 
+def _variant_json(
+    v: VariantResult, row: dict[str, Any], seen: set[str], measured: VariantEvals
+) -> dict[str, Any]:
+    """report.json's entry of one variant: its row, serving settings, the data its steps saw,
+    its manifest's summary, lm-eval results and load benchmark."""
+    return {
+        "name": v.name,
+        "row": row,
+        "serve": v.serve.model_dump(mode="json", exclude_defaults=True),
+        "seen_data": sorted(seen),
+        "manifest": {
+            "kind": v.manifest.kind,
+            "hash": v.manifest.hash,
+            "steps": [s.to_json() for s in v.manifest.steps],
+            "quantization": v.manifest.quantization,
+            **_plan_of(v.manifest.info),
+        },
+        "quality": measured.quality_json(),
+        "load": load.to_json() if (load := measured.load) else None,
+    }
+
+
 def problems(report: dict[str, Any]) -> list[str]:
-    """What makes the run's exit code non-zero: failed requests at any load point, and a
-    server check that disagrees with lm-eval in-process."""
+    """What went wrong in measuring: failed requests at any load point, and a server check that
+    disagrees with lm-eval in-process (with the failed gates, the report's `problems`: each makes
+    the run's exit code non-zero, `reports.gates.exit_code`)."""
     out = []
     for v in report["variants"]:
         load = v["load"] or {}
@@ -191,61 +206,37 @@ def _plan_of(info: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def entries(report: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
-    """The plots' entries; `off_axis`: left off the quality axis's Pareto front."""
-    excluded = set((report.get("quality_axis") or {}).get("excluded", []))
-    return [
-        {
-            "label": f"{prefix}{v['name']}",
-            "row": v["row"],
-            "load": v["load"],
-            "off_axis": v["name"] in excluded,
-        }
-        for v in report["variants"]
-    ]
-
-
 PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>{title}</title>
 <script src="plotly.min.js"></script>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;font-size:13px}}
 td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}} td:first-child{{text-align:left}}
 td.answer{{text-align:left;vertical-align:top;white-space:pre-wrap;min-width:14em}}</style>
-</head><body><h1>{title}</h1><p>{subtitle}</p>{table}{plots}
+</head><body><h1>{title}</h1><p>{subtitle}</p>{summary}{table}{plots}
 <p>All figures: <a href="report.json">report.json</a>; table: <a href="report.md">report.md</a>.</p>
 </body></html>
 """
 
 
-def write_report(report: dict[str, Any], out_dir: Path) -> None:
+def write_report(document: dict[str, Any], out_dir: Path) -> None:
     """report.json, report.md, index.html and plotly.min.js into `out_dir`, each whole."""
     from plotly.offline import get_plotlyjs
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    key, lower = report["quality_axis"]["key"], report["quality_axis"]["lower_is_better"]
-    figs = figures.all_figures(entries(report), key, lower)
-    for v in report["variants"]:
-        if v["manifest"].get("sensitivity"):
-            figs[f"sensitivity-{v['name']}"] = figures.sensitivity_heatmap(
-                v["name"], v["manifest"]["sensitivity"], v["manifest"].get("plan", {})
-            )
-        if v["manifest"].get("layer_importance"):
-            figs[f"layers-{v['name']}"] = figures.layer_importance_bars(
-                v["name"], v["manifest"]["layer_importance"], v["manifest"].get("kept_layers", [])
-            )
-    plots = "".join(
-        fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{name}")
-        for name, fig in figs.items()
-    )
-    m = report["machine"]
+    report = Report.from_json(document)
+    figs = _figures(report)
+    summary = figs.pop("summary", None)
+    plots = "".join(_div(name, fig) for name, fig in figs.items())
+    m = document["machine"]
     page = PAGE.format(
-        title=html.escape(report["title"]),
-        subtitle=html.escape(f"{report['created']}, {m['cpu_count']} CPUs, torch {m['torch']}"),
+        title=html.escape(report.title),
+        subtitle=html.escape(f"{report.created}, {m['cpu_count']} CPUs, torch {m['torch']}"),
+        summary=_div("summary", summary) if summary else "",
         table=html_tables(report),
         plots=plots,
     )
     files = {
-        "report.json": json.dumps(report, indent=2),
+        "report.json": json.dumps(document, indent=2),
         "report.md": markdown(report),
         "index.html": page,
     }
@@ -257,3 +248,26 @@ def write_report(report: dict[str, Any], out_dir: Path) -> None:
         tmp = out_dir / f".{name}.tmp"
         tmp.write_text(text)
         tmp.replace(out_dir / name)
+
+
+def _div(name: str, fig: Any) -> str:
+    return str(fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{name}"))
+
+
+def _figures(report: Report) -> dict[str, Any]:
+    """{plot id: figure}: the summary figure (with a quality axis), the shared plots, then each
+    mixed-precision variant's sensitivity and each student's layer influence."""
+    key, lower = report.quality_axis.key, report.quality_axis.lower_is_better
+    drawn = figures.entries(report)
+    figs = {"summary": figures.summary(drawn, key, lower)} if key else {}
+    figs |= figures.all_figures(drawn, key, lower)
+    for v in report.variants:
+        if v.manifest.get("sensitivity"):
+            figs[f"sensitivity-{v.name}"] = figures.sensitivity_heatmap(
+                v.name, v.manifest["sensitivity"], v.manifest.get("plan", {})
+            )
+        if v.manifest.get("layer_importance"):
+            figs[f"layers-{v.name}"] = figures.layer_importance_bars(
+                v.name, v.manifest["layer_importance"], v.manifest.get("kept_layers", [])
+            )
+    return figs

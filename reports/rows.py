@@ -15,15 +15,28 @@ from compress.manifest import Manifest
 from evals.results import LoadResult, VariantEvals
 from evals.settings import ServeSettings
 from reports.metrics import (
+    BYTES_ON_DISK,
     CAPACITY_CONC,
     CAPACITY_RATE,
     DIVERGENCE_STATS,
+    FAILED_REQUESTS,
+    KIND,
+    KV_BYTES_PER_TOKEN,
+    KV_TOKENS,
     P95_E2E,
     P95_ITL,
+    PARAMETERS,
+    PEAK_REQ_S,
+    PEAK_TOK_S,
+    RAN_ON,
     RECOVERY,
     REFERENCE_CONCURRENCY,
     SATURATION,
     SATURATION_ESTIMATE,
+    STEPS,
+    TRAINABLE,
+    VARIANT,
+    WEIGHT_BYTES,
     bits_per_byte_key,
     headline,
     lower_is_better,
@@ -49,12 +62,12 @@ def load_columns(load: LoadResult | None) -> dict[str, Any]:
         return {}
     capacity = load.capacity or {}
     row: dict[str, Any] = {
-        "kv_bytes_per_token": load.server.kv_bytes_per_token,
-        "kv_tokens": load.kv_tokens,
-        "peak_output_tok_s": max(p.output_throughput for p in load.points),
-        "peak_req_s": max(p.request_throughput for p in load.points),
-        "failed_requests": sum(p.failed for p in load.every_point()),
-        "ran_on": ran_on(load),
+        KV_BYTES_PER_TOKEN.key: load.server.kv_bytes_per_token,
+        KV_TOKENS: load.kv_tokens,
+        PEAK_TOK_S.key: max(p.output_throughput for p in load.points),
+        PEAK_REQ_S.key: max(p.request_throughput for p in load.points),
+        FAILED_REQUESTS.key: sum(p.failed for p in load.every_point()),
+        RAN_ON.key: ran_on(load),
     }
     for length, cap in capacity.items():
         row[CAPACITY_CONC.key(length)] = cap.concurrency
@@ -87,13 +100,13 @@ def variant_row(
     ev = manifest.eval
     served = serve.describe() if serve else ""
     row: dict[str, Any] = {
-        "variant": name,
-        "kind": manifest.kind,
-        "steps": " + ".join(filter(None, [describe_steps(manifest), served])),
-        "parameters": manifest.parameters,
-        "trainable_parameters": (ev.trainable_parameters or None) if ev else None,
-        "weight_bytes": ev.bytes_in_memory if ev else None,
-        "bytes_on_disk": manifest.bytes_on_disk,
+        VARIANT.key: name,
+        KIND: manifest.kind,
+        STEPS.key: " + ".join(filter(None, [describe_steps(manifest), served])),
+        PARAMETERS.key: manifest.parameters,
+        TRAINABLE: (ev.trainable_parameters or None) if ev else None,
+        WEIGHT_BYTES.key: ev.bytes_in_memory if ev else None,
+        BYTES_ON_DISK: manifest.bytes_on_disk,
     }
     for task, score in (evals.quality.tasks if evals.quality else {}).items():
         measure = headline(task, score)
@@ -121,7 +134,7 @@ def add_recovery(
     gets None."""
     if not rows:
         return
-    base = next((r for r in rows if r["variant"] == reference), rows[0])
+    base = next((r for r in rows if r[VARIANT.key] == reference), rows[0])
     for task in tasks:
         metric = task_measure(measured, task)
         for r in rows:
@@ -145,7 +158,7 @@ def front(rows: list[dict[str, Any]], axes: list[tuple[str, bool]]) -> list[str]
 
     usable = [r for r in rows if all(r.get(k) is not None for k, _ in axes)]
     return [
-        r["variant"]
+        r[VARIANT.key]
         for r in usable
         if not any(
             all(at_least(o, r, k, lower) for k, lower in axes)
@@ -159,6 +172,6 @@ def front(rows: list[dict[str, Any]], axes: list[tuple[str, bool]]) -> list[str]
 def pareto_front(rows: list[dict[str, Any]], quality_key: str, lower_better: bool) -> list[str]:
     """Variants no other variant beats on both weight memory and quality (ties kept)."""
     return front(
-        [r for r in rows if r.get("weight_bytes")],
-        [("weight_bytes", True), (quality_key, lower_better)],
+        [r for r in rows if r.get(WEIGHT_BYTES.key)],
+        [(WEIGHT_BYTES.key, True), (quality_key, lower_better)],
     )

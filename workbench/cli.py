@@ -15,6 +15,8 @@ from rich.text import Text
 
 from catalog.gguf_file import BadGGUF
 from evals.load_cli import add_bench_arguments
+from reports.gates import exit_code
+from reports.records import Report
 from serve.http.cli import add_serve_arguments
 from serve.model.host_memory import keep_freed_memory
 from workbench.cli_arguments import (
@@ -115,14 +117,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"built {len(result.built)} variant(s) {result.built}, reused {len(result.reused)} "
         f"{result.reused}; manifests in {result.work_dir / 'variants'}/*/workbench.json"
     )
-    out.print(_report_table(result.report))
+    report = Report.from_json(result.report)
+    out.print(_report_table(report))
     out.print(
         f"report: {result.report_dir / 'index.html'} "
         f"(figures in {result.report_dir / 'report.json'})"
     )
-    for problem in result.report.get("problems", []):
+    for problem in report.problems:
         console.print(Text.assemble(("problem: ", "bold red"), problem))
-    return 1 if result.report.get("problems") else 0
+    return exit_code(report.problems, report.gates)
 
 
 def _work_dir(args: argparse.Namespace) -> Path | str | None:
@@ -143,17 +146,17 @@ def _executor(args: argparse.Namespace) -> Executor:
     return RayExecutor(address=args.address, max_retries=args.max_retries)
 
 
-def _report_table(report: dict) -> Table:
+def _report_table(report: Report) -> Table:
     """The report's headline figures under short labels (report.md has them all): weights, each
     task's headline metric, the paired verdicts, peak throughput, saturation and capacity."""
     from reports.render import fmt
 
-    table = Table(title=report["title"])
-    cols = [c for c in report["columns"] if c.get("short")]
+    table = Table(title=report.title)
+    cols = [c for c in report.columns if c.short]
     for c in cols:
-        table.add_column(c["short"], justify="left" if c["format"] == "text" else "right")
-    for v in report["variants"]:
-        table.add_row(*(fmt(v["row"].get(c["key"]), c["format"]) for c in cols))
+        table.add_column(c.short or c.key, justify="left" if c.format == "text" else "right")
+    for v in report.variants:
+        table.add_row(*(fmt(v.value(c.key), c.format) for c in cols))
     return table
 
 

@@ -28,6 +28,7 @@ from pydantic import (
 from catalog.data import NAMED
 from compress import STEPS, StepParams
 from evals.settings import Evals, ServeSettings, Slug
+from reports.gates import Gates, declared_problems
 from workbench.base_model import BaseRef, resolve_base
 from workbench.recipe_errors import RecipeError, format_validation_error
 from workbench.resources import EvalResources, Resources
@@ -102,6 +103,10 @@ class Recipe(_Strict):
     variants: list[Variant] = Field(min_length=1)
     evals: Evals = Evals()
     report: ReportSettings = ReportSettings()
+    gates: Gates = {}
+    """Quality gates, `{kind: {task or data set: threshold}}` (`reports.gates.GATE_KINDS`):
+    `recovery: {hellaswag: 0.95}`; a variant that fails one is a problem of the report, and
+    `workbench run` exits `reports.gates.GATE_FAILED` after writing it."""
     resources: EvalResources = EvalResources()
     """What each kind of measurement asks of a cluster; derived where left out."""
     storage: str | None = None
@@ -125,6 +130,15 @@ class Recipe(_Strict):
                 f"name ({', '.join(names)})"
             )
         return self
+
+    @field_validator("gates")
+    @classmethod
+    def _gates_measured(cls, gates: Gates, info: ValidationInfo) -> Gates:
+        evals = info.data.get("evals")  # absent: evals is invalid, and reported as such
+        problems = declared_problems(gates, evals) if evals is not None else []
+        if problems:
+            raise ValueError("; ".join(problems))
+        return gates
 
     @field_validator("variants")
     @classmethod

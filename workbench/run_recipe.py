@@ -109,7 +109,9 @@ def run(
         measured = _gathered(recipe, graph, done, results, work, progress)
     from reports.report import build_report, write_report
 
-    report = build_report(recipe.name, recipe.report.title, recipe.evals, results, measured)
+    report = build_report(
+        recipe.name, recipe.report.title, recipe.evals, results, measured, recipe.gates
+    )
     write_report(report, out_dir)
     return RunResult(recipe, base, work, results, measured, report, out_dir)
 

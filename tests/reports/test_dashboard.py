@@ -22,6 +22,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from reports.dashboard import PAIRED_HEAD, build_app
+from reports.records import Column, Report
 from reports.render import cell as report_cell
 from reports.render import comparison_rows
 from tests.reports.conftest import Run
@@ -142,7 +143,7 @@ def test_dashboard_in_a_real_browser(
                     label,
                     c["key"],
                 )
-                assert cell == report_cell(v["row"], c), (label, c["key"])
+                assert cell == report_cell(v["row"], Column.from_json(c)), (label, c["key"])
 
     # one trace per variant (+ the Pareto front); one per variant and prompt length in the load plots
     assert _traces(browser, "quality") == [*expected, "Pareto front"]
@@ -210,7 +211,7 @@ def test_paired_comparisons_of_the_variants_shown_in_a_real_browser(
         for run, report in reports.items():
             names = {v["name"] for v in report["variants"]}
             reference = report["comparisons"]["reference"]
-            for cells in comparison_rows(report):
+            for cells in comparison_rows(Report.from_json(report)):
                 label = f"{run} / {cells[0]}"
                 if cells[0] in names and label not in hide:
                     out.append([label, f"{run} / {reference}", *cells[1:]])
@@ -555,3 +556,26 @@ def _get_when_listening(url: str, proc: subprocess.Popen) -> httpx.Response:
             return httpx.get(url, timeout=30)
         time.sleep(0.1)
     raise AssertionError(f"{url} did not answer")
+
+
+def test_compare_answers_the_summary_figure_and_each_runs_problems(reports_dir: Path) -> None:
+    """A run's problems (a failed gate here) come with its rows; the summary figure has one
+    point per variant shown, labelled `run / variant`; a report written before gates, sittings
+    and seen data existed is compared like the others."""
+    path = reports_dir / "other" / "report.json"
+    other = json.loads(path.read_text())
+    gate = "shop-lora: gate recovery.corpus_ppl (at least 2) failed: measured 0.998"
+    other["problems"] = [gate]
+    for key in ("gates", "load_sittings"):
+        other.pop(key, None)
+    for v in other["variants"]:
+        v.pop("seen_data", None)
+    path.write_text(json.dumps(other))
+    with TestClient(build_app(reports_dir), base_url="http://127.0.0.1") as client:
+        answer = client.get("/api/compare", params={"runs": "other,small"}).json()
+    assert answer["problems"] == [f"other: {gate}"]
+    (trace,) = answer["figures"]["summary"]["data"]
+    labels = [f"{run} / {v}" for run in ("other", "small") for v in ("base", "int8", "shop-lora")]
+    labels.remove("other / int8")
+    assert trace["text"] == labels == [row["label"] for row in answer["rows"]]
+    assert trace["x"] == [row["weight_bytes"] / 1e6 for row in answer["rows"]]

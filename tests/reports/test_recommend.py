@@ -9,12 +9,19 @@ from typing import Any
 
 import pytest
 
-from reports.recommend import FITTED, recommendation
+from reports import recommend
+from reports.recommend import FITTED
+from reports.records import Report
 from reports.report import seen_data
 from reports.rows import pareto_front
 
 SIZES = {"base": 1000e6, "int8": 500e6, "nf4": 300e6, "int4": 250e6}
 KL = {"base": 0.0, "int8": 0.01, "nf4": 0.5, "int4": 0.4}
+
+
+def recommendation(report: dict[str, Any]) -> list[str]:
+    """The sentences of the recommendation of `report` (report.json's shape)."""
+    return recommend.recommendation(Report.from_json(report)).sentences
 
 
 def _comparison(variant: str, metric: str, pairing: str, delta: float, verdict: str) -> dict:

@@ -19,10 +19,12 @@ from reports.metrics import (
     KL,
     P95_E2E,
     SATURATION,
+    SATURATION_ESTIMATE,
     bits_per_byte_key,
     stderr_key,
 )
-from reports.render import cell
+from reports.records import Column, Report
+from reports.render import cell as render_cell
 from tests.reports.conftest import Run, greedy_chat_answer, run_in, workbench_run
 
 TASKS = ["corpus_ppl", "corpus_cloze", "shift_ppl", "shop_colours"]
@@ -30,6 +32,11 @@ VARIANTS = ["base", "int8", "shop-lora"]
 CONCURRENCY, PROMPT_LENS, MAX_TOKENS = [1, 4, 8, 16, 32], [16, 48], 16
 
 pytestmark = pytest.mark.e2e  # servers in subprocesses, the CLI as one
+
+
+def cell(row: dict, column: dict) -> str:
+    """A table cell as report.md shows it, the column as report.json lists it."""
+    return render_cell(row, Column.from_json(column))
 
 
 def report_of(run: Run) -> dict:
@@ -283,6 +290,32 @@ def test_markdown_and_html(small_run: Run) -> None:
     assert (small_run.report_dir / "plotly.min.js").stat().st_size > 1_000_000
 
 
+def _plotted(page: str, plot: str) -> list[dict]:
+    """The traces index.html hands Plotly for the div `plot-<plot>`."""
+    start = page.index(f'"plot-{plot}",', page.index("Plotly.newPlot("))
+    data, _ = json.JSONDecoder().raw_decode(page, page.index("[", start))
+    return data
+
+
+def test_the_report_opens_with_quality_against_memory_with_capacity(small_run: Run) -> None:
+    """One point per variant: x its weights (MB), y the quality axis, customdata the clients its
+    KV cache held at saturation on the longest prompt (measured, else estimated)."""
+    report = report_of(small_run)
+    page = (small_run.report_dir / "index.html").read_text()
+    assert page.index('id="plot-summary"') < page.index("id='recommendation'")
+    assert page.index('id="plot-summary"') < page.index("<table id='memory'>")
+    (trace,) = _plotted(page, "summary")
+    key, longest = report["quality_axis"]["key"], max(PROMPT_LENS)
+    rows = [v["row"] for v in report["variants"]]
+    assert trace["text"] == VARIANTS
+    assert trace["x"] == [r["weight_bytes"] / 1e6 for r in rows]
+    assert trace["y"] == [r[key] for r in rows]
+    clients = [r[SATURATION.key(longest)] or r[SATURATION_ESTIMATE.key(longest)] for r in rows]
+    assert trace["customdata"] == clients and all(c for c in clients)
+    sizes = trace["marker"]["size"]
+    assert sizes[clients.index(max(clients))] == max(sizes) == 40
+
+
 def test_every_row_key_is_a_declared_metric_or_its_companion(small_run: Run) -> None:
     """The registry owns the row keys: each is a column, a column's standard error or bits per
     byte, or one of the manifest's own fields that no table shows."""
@@ -305,7 +338,7 @@ def test_the_run_summary_shows_the_metrics_declaring_a_short_label(small_run: Ru
     from workbench.cli import _report_table
 
     report = report_of(small_run)
-    headers = [str(c.header) for c in _report_table(report).columns]
+    headers = [str(c.header) for c in _report_table(Report.from_json(report)).columns]
     assert headers == [c["short"] for c in report["columns"] if c.get("short")]
     assert headers[:2] == ["variant", "weights"] and "paired verdicts" in headers
     assert {*TASKS, "peak tok/s", "sat. p16", "req/s in SLO p48"} <= set(headers)

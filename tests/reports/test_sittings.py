@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from reports.recommend import recommendation
 from reports.sittings import load_sittings, sitting_lines
-from tests.reports.test_recommend import make_report
+from tests.reports.test_recommend import make_report, recommendation
 
 MACHINE = {"host": "vm-1", "cpu": "AMD EPYC 7B13", "cpu_count": 2}
 

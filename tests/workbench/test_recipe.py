@@ -175,6 +175,28 @@ BAD = {
         "variants[0].serve",
         ["unknown key 'block_size'", "allowed keys: kv_cache_dtype"],
     ),
+    "gate on a task the recipe does not measure": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {quality: [corpus_ppl]}\n"
+        "gates: {recovery: {hellaswag: 0.95}}\n",
+        "gates",
+        ["recovery.hellaswag: 'hellaswag' is not an evals.quality task", "known: corpus_ppl"],
+    ),
+    "gate on KL without a divergence eval": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a}]\ngates: {max_kl: {corpus: 0.1}}\n",
+        "gates",
+        ["max_kl.corpus", "known: none (the recipe has no evals.divergence data set)"],
+    ),
+    "unknown gate kind": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a}]\ngates: {min_kl: {corpus: 0.1}}\n",
+        "gates",
+        ["min_kl: unknown gate kind", "known: recovery, max_kl, min_top1_agreement"],
+    ),
+    "gate threshold not a number": (
+        "name: x\nbase: demo-tiny\nvariants: [{name: a}]\nevals: {quality: [corpus_ppl]}\n"
+        "gates: {recovery: {corpus_ppl: high}}\n",
+        "gates.recovery.corpus_ppl",
+        ["found 'high'", "valid number"],
+    ),
     "not a mapping": ("- just\n- a list\n", "", ["found list", "a recipe is a mapping"]),
     "not yaml": ("name: [unclosed\n", "", ["not valid YAML", "line"]),
 }
